@@ -1,0 +1,322 @@
+//! Per-token log-prob of the target and entropy of the next-token distribution, straight from the
+//! final-normed hidden states and the LM head, without ever holding the `[T, V]` logits.
+//!
+//!   z_i      = hidden_i . lm_head^T                      (logits of token i, [V])
+//!   logp_i   = z_i - m_i - ln s_i,   m_i = max z_i,   s_i = sum_v exp(z_iv - m_i)
+//!   lp_i     = logp_i[target_i]                          (0 and no gradient for IGNORE_TARGET)
+//!   H_i      = -sum_v p_iv logp_iv = ln s_i - (1/s_i) sum_v exp(z_iv - m_i)(z_iv - m_i)
+//! The second form of `H` is a sum of two non-negative terms, so it has no cancellation and needs
+//! one pass over the row. Backward, with `g = [g_lp, g_ent]` per token:
+//!   dz        = g_lp * (onehot(target) - p) - g_ent * p * (logp + H)
+//!   d_hidden  = dz @ lm_head                 d_lm_head = sum over chunks of dz^T @ hidden_chunk
+//!
+//! Decisions:
+//! - Tokens are processed `chunk_tokens` at a time, forward and backward, so at most one
+//!   `[chunk_tokens, V]` block of logits (reused in place as `dz` in the backward) is alive. The
+//!   backward recomputes the logits rather than saving anything from the forward. Besides that
+//!   block, the backward holds the `[V, H]` `d_lm_head` accumulator and one `[V, H]` per-chunk
+//!   product that is added into it.
+//! - The GEMMs are candle's CPU matmul called on the storages with strided layouts (a row range
+//!   of `hidden`, `lm_head` transposed, `dz` transposed), so f32/f64 weights are used in place
+//!   without a copy. bf16/f16 inputs are widened to f32 once (the whole `lm_head`, a `[V, H]` f32
+//!   copy) so every dot product accumulates in f32; f64 stays f64.
+//! - The op's output is `[T, 2]` (logprob, entropy) in the accumulation dtype (f32, or f64 for f64
+//!   inputs) whatever the input dtype; the public function narrows it into two contiguous `[T]`
+//!   tensors. Gradients come back in the input dtype.
+//! - `d_lm_head` is accumulated in the accumulation dtype, chunk by chunk in token order, so a run
+//!   is bitwise reproducible for a given chunk size. Different chunk sizes agree only to rounding
+//!   (~1e-7 relative in f32): gemm's kernels depend on the row count, and `d_lm_head` is grouped
+//!   by chunk.
+//! - The softmax statistics are per row and parallel over rows (rayon); nothing is reduced across
+//!   rows except `d_lm_head`, which is the GEMM's own reduction plus the ordered chunk sum.
+use crate::real::{same_dtype, Real};
+use crate::with_acc;
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, WithDType};
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::sync::Arc;
+
+/// Target id meaning "no next token here": its log-prob is 0 and gets no gradient.
+pub const IGNORE_TARGET: u32 = u32::MAX;
+
+/// Elements per rayon task when adding a chunk's `d_lm_head` into the accumulator.
+const ADD_CHUNK: usize = 1 << 16;
+
+/// Per-token `(logprob of target, entropy)` of `softmax(hidden @ lm_head^T)`, both `[T]`, f32 (f64
+/// for f64 inputs), with backward to `hidden` and `lm_head`.
+///
+/// `hidden: [T, H]`, `lm_head: [V, H]` (HF `lm_head.weight` layout or the tied embedding),
+/// `targets: [T]` ids in `0..V` or [`IGNORE_TARGET`]; at most `chunk_tokens` rows of logits are
+/// materialised at a time.
+pub fn logprobs_entropy(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Arc<[u32]>,
+    chunk_tokens: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (t, h) = match hidden.dims() {
+        &[t, h] => (t, h),
+        d => bail!("logprobs_entropy: hidden must be [T, H], got {d:?}"),
+    };
+    let (v, hw) = match lm_head.dims() {
+        &[v, hw] => (v, hw),
+        d => bail!("logprobs_entropy: lm_head must be [V, H], got {d:?}"),
+    };
+    if hw != h {
+        bail!(
+            "logprobs_entropy: lm_head {:?} does not match the hidden size {h} of hidden {:?}",
+            lm_head.dims(),
+            hidden.dims()
+        );
+    }
+    if v == 0 {
+        bail!("logprobs_entropy: lm_head has an empty vocabulary");
+    }
+    if targets.len() != t {
+        bail!(
+            "logprobs_entropy: {} targets for {t} tokens (hidden {:?})",
+            targets.len(),
+            hidden.dims()
+        );
+    }
+    if chunk_tokens == 0 {
+        bail!("logprobs_entropy: chunk_tokens must be > 0");
+    }
+    same_dtype("logprobs_entropy", &[hidden.dtype(), lm_head.dtype()])?;
+    if let Some((i, &id)) = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &id)| id != IGNORE_TARGET && id as usize >= v)
+    {
+        bail!("logprobs_entropy: target {id} of token {i} is out of range for a vocabulary of {v}");
+    }
+    let op = LmHead {
+        targets: targets.clone(),
+        chunk_tokens,
+    };
+    let out = hidden.contiguous()?.apply_op2(&lm_head.contiguous()?, op)?;
+    let logprobs = out.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
+    let entropy = out.narrow(1, 1, 1)?.squeeze(1)?.contiguous()?;
+    Ok((logprobs, entropy))
+}
+
+#[derive(Debug, Clone)]
+struct LmHead {
+    targets: Arc<[u32]>,
+    chunk_tokens: usize,
+}
+
+/// `(T, H, V)` from the layouts of `hidden` and `lm_head`, re-checked so a bad call errors.
+fn sizes(op: &str, lh: &Layout, lw: &Layout, targets: &[u32], chunk_tokens: usize) -> Result<(usize, usize, usize)> {
+    match (lh.dims(), lw.dims()) {
+        (&[t, h], &[v, hw]) if hw == h && targets.len() == t && v > 0 && chunk_tokens > 0 => Ok((t, h, v)),
+        (a, b) => bail!(
+            "{op}: bad shapes hidden {a:?}, lm_head {b:?} for {} targets",
+            targets.len()
+        ),
+    }
+}
+
+/// `s` in the accumulation dtype `R`: borrowed when it already is, widened once otherwise.
+fn in_acc<'a, R: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<(Cow<'a, CpuStorage>, Layout)> {
+    if s.dtype() == R::DTYPE {
+        Ok((Cow::Borrowed(s), l.clone()))
+    } else {
+        Ok((
+            Cow::Owned(s.to_dtype(l, R::DTYPE)?),
+            Layout::contiguous(l.shape().clone()),
+        ))
+    }
+}
+
+/// Logits of tokens `start..start + len`: `hidden[start..start + len] @ lm_head^T`, `[len, V]`.
+#[allow(clippy::too_many_arguments)]
+fn chunk_logits<R: WithDType>(
+    hs: &CpuStorage,
+    hl: &Layout,
+    ws: &CpuStorage,
+    wl: &Layout,
+    start: usize,
+    len: usize,
+    h: usize,
+    v: usize,
+) -> Result<Vec<R>> {
+    let z = hs.matmul(ws, (1, len, v, h), &hl.narrow(0, start, len)?, &wl.transpose(0, 1)?)?;
+    R::cpu_storage_data(z)
+}
+
+/// `(m, ln s, H)` of one row of logits (see the module header).
+fn row_stats<R: Real>(z: &[R]) -> (R, R, R) {
+    let mut m = R::NEG_INFINITY;
+    for &x in z {
+        m = m.max(x);
+    }
+    let (mut s, mut a) = (R::ZERO, R::ZERO);
+    for &x in z {
+        let d = x - m;
+        let e = d.exp();
+        s += e;
+        a += e * d;
+    }
+    let ln_s = s.ln();
+    (m, ln_s, ln_s - a / s)
+}
+
+/// Overwrites one row of logits with `dz`.
+fn dlogits_row<R: Real>(row: &mut [R], target: u32, g_lp: R, g_ent: R) {
+    let (m, ln_s, ent) = row_stats(row);
+    let g_lp = if target == IGNORE_TARGET { R::ZERO } else { g_lp };
+    for x in row.iter_mut() {
+        let logp = (*x - m) - ln_s;
+        let p = logp.exp();
+        *x = -p * (g_lp + g_ent * (logp + ent));
+    }
+    if target != IGNORE_TARGET {
+        row[target as usize] += g_lp;
+    }
+}
+
+/// Returns `[lp_0, H_0, lp_1, H_1, ...]`.
+fn forward<R: Real + WithDType>(
+    hs: &CpuStorage,
+    hl: &Layout,
+    ws: &CpuStorage,
+    wl: &Layout,
+    targets: &[u32],
+    chunk_tokens: usize,
+    (t, h, v): (usize, usize, usize),
+) -> Result<Vec<R>> {
+    let mut out = vec![R::ZERO; 2 * t];
+    for start in (0..t).step_by(chunk_tokens) {
+        let len = (t - start).min(chunk_tokens);
+        let out_c = &mut out[2 * start..2 * (start + len)];
+        let z = chunk_logits::<R>(hs, hl, ws, wl, start, len, h, v)?;
+        out_c
+            .par_chunks_mut(2)
+            .zip(z.par_chunks(v))
+            .zip(targets[start..start + len].par_iter())
+            .for_each(|((o, row), &tg)| {
+                let (m, ln_s, ent) = row_stats(row);
+                o[0] = if tg == IGNORE_TARGET {
+                    R::ZERO
+                } else {
+                    (row[tg as usize] - m) - ln_s
+                };
+                o[1] = ent;
+            });
+    }
+    Ok(out)
+}
+
+/// Returns `[d_hidden (flat) ++ d_lm_head (flat)]`; `g` is the `[T, 2]` output gradient, flat.
+#[allow(clippy::too_many_arguments)]
+fn backward<R: Real + WithDType>(
+    hs: &CpuStorage,
+    hl: &Layout,
+    ws: &CpuStorage,
+    wl: &Layout,
+    g: &[R],
+    targets: &[u32],
+    chunk_tokens: usize,
+    (t, h, v): (usize, usize, usize),
+) -> Result<Vec<R>> {
+    let mut out = vec![R::ZERO; t * h + v * h];
+    let (dh, dw) = out.split_at_mut(t * h);
+    for start in (0..t).step_by(chunk_tokens) {
+        let len = (t - start).min(chunk_tokens);
+        let mut z = chunk_logits::<R>(hs, hl, ws, wl, start, len, h, v)?;
+        z.par_chunks_mut(v)
+            .zip(targets[start..start + len].par_iter())
+            .zip(g[2 * start..2 * (start + len)].par_chunks(2))
+            .for_each(|((row, &tg), gr)| dlogits_row(row, tg, gr[0], gr[1]));
+        let dz = R::to_cpu_storage_owned(z);
+        let dz_l = Layout::contiguous((len, v));
+        let dh_part = dz.matmul(ws, (1, len, h, v), &dz_l, wl)?;
+        dh[start * h..(start + len) * h].copy_from_slice(R::cpu_storage_as_slice(&dh_part)?);
+        let dw_part = dz.matmul(hs, (1, v, h, len), &dz_l.transpose(0, 1)?, &hl.narrow(0, start, len)?)?;
+        dw.par_chunks_mut(ADD_CHUNK)
+            .zip(R::cpu_storage_as_slice(&dw_part)?.par_chunks(ADD_CHUNK))
+            .for_each(|(acc, part)| {
+                for (a, &p) in acc.iter_mut().zip(part) {
+                    *a += p;
+                }
+            });
+    }
+    Ok(out)
+}
+
+impl CustomOp2 for LmHead {
+    fn name(&self) -> &'static str {
+        "vime-lm-head-logprobs-entropy"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let dtype = same_dtype("logprobs_entropy", &[s1.dtype(), s2.dtype()])?;
+        let dims = sizes("logprobs_entropy", l1, l2, &self.targets, self.chunk_tokens)?;
+        with_acc!(dtype, R => {
+            let (hs, hl) = in_acc::<R>(s1, l1)?;
+            let (ws, wl) = in_acc::<R>(s2, l2)?;
+            let out = forward::<R>(&hs, &hl, &ws, &wl, &self.targets, self.chunk_tokens, dims)?;
+            Ok((R::to_cpu_storage_owned(out), Shape::from((dims.0, 2))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        lm_head: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let hidden = hidden.contiguous()?;
+        let lm_head = lm_head.contiguous()?;
+        let op = LmHeadBwd {
+            targets: self.targets.clone(),
+            chunk_tokens: self.chunk_tokens,
+        };
+        let packed = hidden.apply_op3_no_bwd(&lm_head, &grad.contiguous()?, &op)?;
+        let n = hidden.elem_count();
+        let d_hidden = packed.narrow(0, 0, n)?.reshape(hidden.shape())?;
+        let d_lm_head = packed.narrow(0, n, lm_head.elem_count())?.reshape(lm_head.shape())?;
+        Ok((Some(d_hidden), Some(d_lm_head)))
+    }
+}
+
+#[derive(Debug, Clone)]
+struct LmHeadBwd {
+    targets: Arc<[u32]>,
+    chunk_tokens: usize,
+}
+
+impl CustomOp3 for LmHeadBwd {
+    fn name(&self) -> &'static str {
+        "vime-lm-head-logprobs-entropy-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let op = "logprobs_entropy backward";
+        let dtype = same_dtype(op, &[s1.dtype(), s2.dtype()])?;
+        let dims = sizes(op, l1, l2, &self.targets, self.chunk_tokens)?;
+        if l3.dims() != [dims.0, 2] {
+            bail!("{op}: output gradient {:?} is not [{}, 2]", l3.dims(), dims.0);
+        }
+        with_acc!(dtype, R => {
+            let (hs, hl) = in_acc::<R>(s1, l1)?;
+            let (ws, wl) = in_acc::<R>(s2, l2)?;
+            let g = R::read(s3, l3)?;
+            let out = backward::<R>(&hs, &hl, &ws, &wl, &g, &self.targets, self.chunk_tokens, dims)?;
+            let len = out.len();
+            let out = if dtype == R::DTYPE { R::to_cpu_storage_owned(out) } else { R::write(out, dtype)? };
+            Ok((out, Shape::from(len)))
+        })
+    }
+}

@@ -1,0 +1,94 @@
+//! Rotary position embedding, HF Qwen3 convention (`rotate_half`: the two halves of each head
+//! are the pair, not interleaved lanes):
+//!   out[..i]   = x[..i] * cos - x[i..] * sin
+//!   out[i..]   = x[i..] * cos + x[..i] * sin          (i = head_dim / 2)
+//! with `angle(pos, j) = pos * inv_freq[j]`, `inv_freq[j] = 1 / theta^(2j / head_dim)`, computed in
+//! f32 as HF does (f64 for f64 inputs), so f32 parity holds to rounding.
+//!
+//! The backward of a rotation is the rotation by the opposite angle: the same op with `sign = -1`.
+//! Positions are per token (`position_ids`, restarting per packed sequence) and shared by all
+//! layers through an `Arc`.
+use crate::real::Real;
+use crate::with_acc;
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Applies RoPE to `x: [T, n_heads, head_dim]` at `positions: [T]`, with backward.
+pub fn rope(x: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
+    let (t, _h, d) = x.dims3()?;
+    if positions.len() != t {
+        bail!("rope: {} positions for {t} tokens (x {:?})", positions.len(), x.dims());
+    }
+    if d % 2 != 0 {
+        bail!("rope: head_dim {d} must be even");
+    }
+    x.contiguous()?.apply_op1(Rope {
+        positions: positions.clone(),
+        theta,
+        sign: 1.0,
+    })
+}
+
+#[derive(Debug, Clone)]
+struct Rope {
+    positions: Arc<[u32]>,
+    theta: f64,
+    /// +1 rotates forward (the op), -1 rotates back (its backward).
+    sign: f64,
+}
+
+fn apply<R: Real>(x: &[R], dims: &[usize], positions: &[u32], theta: f64, sign: f64) -> Vec<R> {
+    let (h, d) = (dims[1], dims[2]);
+    let half = d / 2;
+    let inv_freq: Vec<R> = (0..half)
+        .map(|j| R::ONE / R::from_f64(theta).powf(R::from_f64((2 * j) as f64) / R::from_f64(d as f64)))
+        .collect();
+    let s = R::from_f64(sign);
+    let mut out = vec![R::ZERO; x.len()];
+    out.par_chunks_mut(h * d)
+        .zip(x.par_chunks(h * d))
+        .zip(positions.par_iter())
+        .for_each(|((ot, xt), &p)| {
+            let pos = R::from_f64(p as f64);
+            let (cos, sin): (Vec<R>, Vec<R>) = inv_freq
+                .iter()
+                .map(|&f| {
+                    let a = pos * f;
+                    (a.cos(), s * a.sin())
+                })
+                .unzip();
+            for (oh, xh) in ot.chunks_mut(d).zip(xt.chunks(d)) {
+                for j in 0..half {
+                    let (x1, x2) = (xh[j], xh[j + half]);
+                    oh[j] = x1 * cos[j] - x2 * sin[j];
+                    oh[j + half] = x2 * cos[j] + x1 * sin[j];
+                }
+            }
+        });
+    out
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "vime-rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let dtype = s.dtype();
+        with_acc!(dtype, R => {
+            let x = R::read(s, l)?;
+            let y = apply(&x, l.dims(), &self.positions, self.theta, self.sign);
+            Ok((R::write(y, dtype)?, l.shape().clone()))
+        })
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let back = Rope {
+            sign: -self.sign,
+            ..self.clone()
+        };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&back)?))
+    }
+}

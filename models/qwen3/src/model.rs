@@ -1,0 +1,477 @@
+//! The Qwen3 dense model for training: a pure forward over a packed varlen batch, and a
+//! layer-by-layer backward whose activation memory is set by a [`Recompute`] policy.
+//!
+//! Decisions:
+//! - Layers hold parameters (candle `Var`s) and nothing else: no KV cache, no communicators. The
+//!   batch metadata (`position_ids`, `cu_seqlens`, targets) is passed in per call.
+//! - q/k/v and gate/up stay separate weights, exactly the HF tensors, so tensor parallelism can
+//!   shard them column-wise later without re-fusing, and checkpoints map 1:1.
+//! - Every op on the gradient path is either a candle op with a backward (matmul, add, reshape,
+//!   index-select) or a `vime-kernels` CustomOp with its own backward. None of candle's no-backward
+//!   fast paths is used.
+//! - The backward walks the layers in reverse with the VJP trick: for layer `l` with input leaf
+//!   `x_l` and output `y_l`, `(y_l * g.detach()).sum_all().backward()` gives the parameter
+//!   gradients of the layer and `g_{l-1} = d/dx_l`. Under `Recompute::None` every layer's graph is
+//!   kept from the forward; under `Recompute::Full` only the layer inputs are kept and each layer is
+//!   re-run (same ops, same inputs, so the same bits) just before its backward.
+//! - Log-probs and entropy come from the fused LM-head op, chunked over tokens: `[T, vocab]`
+//!   logits are never alive at once (the plain [`Qwen3::logits`] path exists for tests).
+use crate::batch::PackedBatch;
+use crate::checkpoint;
+use crate::config::Qwen3Config;
+use crate::state_dict::param_specs;
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
+use std::collections::BTreeMap;
+use std::path::Path;
+use vime_kernels::{logprobs_entropy, rms_norm, rope, swiglu, varlen_attention};
+
+/// Which activations a layer keeps between its forward and its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Keep every layer's graph from the forward: fastest, most memory.
+    #[default]
+    None,
+    /// Keep only each layer's input; re-run the layer just before its backward.
+    Full,
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Recompute::None),
+            "full" => Ok(Recompute::Full),
+            other => bail!("unknown recompute policy {other:?} (expected \"none\" or \"full\")"),
+        }
+    }
+}
+
+/// Per-token outputs of the LM head, both `[T]` f32. Index `i` is about predicting the token at
+/// `i + 1` of the same sequence; at each sequence's last token the log-prob is 0 (no target) and
+/// the entropy is that of the distribution after the whole sequence.
+#[derive(Debug, Clone)]
+pub struct TokenOutputs {
+    pub logprobs: Tensor,
+    pub entropy: Tensor,
+}
+
+/// Gradients of one backward: model parameters by HF name, plus whatever the head closure's own
+/// variables received (for heads that live outside the model, e.g. a value head).
+#[derive(Debug)]
+pub struct Gradients {
+    pub params: BTreeMap<String, Tensor>,
+    pub head: GradStore,
+}
+
+struct Layer {
+    input_norm: Var,
+    q_proj: Var,
+    k_proj: Var,
+    v_proj: Var,
+    o_proj: Var,
+    q_bias: Option<Var>,
+    k_bias: Option<Var>,
+    v_bias: Option<Var>,
+    o_bias: Option<Var>,
+    q_norm: Var,
+    k_norm: Var,
+    post_norm: Var,
+    gate_proj: Var,
+    up_proj: Var,
+    down_proj: Var,
+}
+
+pub struct Qwen3 {
+    cfg: Qwen3Config,
+    embed: Var,
+    layers: Vec<Layer>,
+    norm: Var,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<Var>,
+    /// Every parameter by HF name, in the canonical `param_specs` order.
+    params: Vec<(String, Var)>,
+    /// Tokens per LM-head chunk (bounds the live logits block to `chunk x vocab` f32).
+    logits_chunk_tokens: usize,
+}
+
+/// Weights as plain tensors: tracked (part of the autograd graph) or detached (no graph at all).
+fn w(v: &Var, track: bool) -> Tensor {
+    if track {
+        v.as_tensor().clone()
+    } else {
+        v.as_detached_tensor()
+    }
+}
+
+fn linear(x: &Tensor, weight: &Var, bias: Option<&Var>, track: bool) -> Result<Tensor> {
+    let y = x.matmul(&w(weight, track).t()?)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(&w(b, track))?,
+        None => y,
+    })
+}
+
+impl Qwen3 {
+    /// Builds the model from HF-named tensors (as `checkpoint::load_hf_weights` returns them).
+    pub fn from_tensors(cfg: Qwen3Config, mut tensors: BTreeMap<String, Tensor>) -> Result<Self> {
+        cfg.validate()?;
+        let mut params = Vec::new();
+        for spec in param_specs(&cfg) {
+            let t = tensors
+                .remove(&spec.name)
+                .ok_or_else(|| anyhow!("missing tensor {}", spec.name))?;
+            if t.dims() != spec.shape.as_slice() {
+                bail!(
+                    "tensor {}: expected shape {:?}, found {:?}",
+                    spec.name,
+                    spec.shape,
+                    t.dims()
+                );
+            }
+            params.push((spec.name, Var::from_tensor(&t.contiguous()?)?));
+        }
+        if let Some(extra) = tensors.keys().next() {
+            bail!("unexpected tensor {extra} for this config");
+        }
+        let by_name: BTreeMap<&str, &Var> = params.iter().map(|(n, v)| (n.as_str(), v)).collect();
+        let get = |n: &str| -> Result<Var> {
+            by_name
+                .get(n)
+                .map(|v| (*v).clone())
+                .ok_or_else(|| anyhow!("missing tensor {n}"))
+        };
+        let opt = |n: &str| by_name.get(n).map(|v| (*v).clone());
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = |s: &str| format!("model.layers.{i}.{s}");
+                Ok(Layer {
+                    input_norm: get(&p("input_layernorm.weight"))?,
+                    q_proj: get(&p("self_attn.q_proj.weight"))?,
+                    k_proj: get(&p("self_attn.k_proj.weight"))?,
+                    v_proj: get(&p("self_attn.v_proj.weight"))?,
+                    o_proj: get(&p("self_attn.o_proj.weight"))?,
+                    q_bias: opt(&p("self_attn.q_proj.bias")),
+                    k_bias: opt(&p("self_attn.k_proj.bias")),
+                    v_bias: opt(&p("self_attn.v_proj.bias")),
+                    o_bias: opt(&p("self_attn.o_proj.bias")),
+                    q_norm: get(&p("self_attn.q_norm.weight"))?,
+                    k_norm: get(&p("self_attn.k_norm.weight"))?,
+                    post_norm: get(&p("post_attention_layernorm.weight"))?,
+                    gate_proj: get(&p("mlp.gate_proj.weight"))?,
+                    up_proj: get(&p("mlp.up_proj.weight"))?,
+                    down_proj: get(&p("mlp.down_proj.weight"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embed = get("model.embed_tokens.weight")?;
+        let norm = get("model.norm.weight")?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(get("lm_head.weight")?)
+        };
+        let logits_chunk_tokens = ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096);
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            params,
+            logits_chunk_tokens,
+        })
+    }
+
+    /// A randomly initialised model (weights `N(0, std^2)` from a seeded generator, norm weights 1,
+    /// biases 0), for benchmarks and tests that need no checkpoint.
+    pub fn init_random(cfg: Qwen3Config, std: f64, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
+        let mut rng = vime_kernels::testing::Rng::new(seed);
+        let mut tensors = BTreeMap::new();
+        for spec in param_specs(&cfg) {
+            let t = if spec.name.ends_with(".bias") {
+                Tensor::zeros(spec.shape.as_slice(), dtype, device)?
+            } else if spec.shape.len() == 1 {
+                Tensor::ones(spec.shape.as_slice(), dtype, device)?
+            } else {
+                rng.randn(&spec.shape, std, dtype, device)?
+            };
+            tensors.insert(spec.name, t);
+        }
+        Self::from_tensors(cfg, tensors)
+    }
+
+    /// Loads `config.json` and the safetensors weights of an HF checkpoint directory.
+    pub fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let cfg = checkpoint::load_config(dir)?;
+        let tensors = checkpoint::load_hf_weights(dir, &cfg, dtype, device)
+            .with_context(|| format!("loading weights from {}", dir.display()))?;
+        Self::from_tensors(cfg, tensors)
+    }
+
+    /// Writes the model as an HF checkpoint directory (config.json + safetensors, sharded past
+    /// `max_shard_bytes`) that HF transformers and vLLM load directly.
+    pub fn save_hf(&self, dir: &Path, dtype: DType, max_shard_bytes: u64) -> Result<()> {
+        checkpoint::save_hf_checkpoint(dir, &self.cfg, &self.state_dict(), dtype, max_shard_bytes)
+    }
+
+    pub fn config(&self) -> &Qwen3Config {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed.device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// Parameters by HF name, in canonical order.
+    pub fn named_parameters(&self) -> &[(String, Var)] {
+        &self.params
+    }
+
+    /// Detached copies (shared storage) of every parameter by HF name.
+    pub fn state_dict(&self) -> BTreeMap<String, Tensor> {
+        self.params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_detached_tensor()))
+            .collect()
+    }
+
+    pub fn set_logits_chunk_tokens(&mut self, n: usize) {
+        self.logits_chunk_tokens = n.max(1);
+    }
+
+    fn lm_head_weight(&self, track: bool) -> Tensor {
+        w(self.lm_head.as_ref().unwrap_or(&self.embed), track)
+    }
+
+    fn check_batch(&self, batch: &PackedBatch) -> Result<()> {
+        let v = self.cfg.vocab_size as u32;
+        if let Some((i, &id)) = batch.input_ids.iter().enumerate().find(|(_, &id)| id >= v) {
+            bail!("token {id} at packed position {i} is outside the vocabulary ({v} ids)");
+        }
+        let max_pos = self.cfg.max_position_embeddings;
+        if batch.max_seqlen() > max_pos {
+            bail!(
+                "a sequence of {} tokens exceeds max_position_embeddings {max_pos}",
+                batch.max_seqlen()
+            );
+        }
+        Ok(())
+    }
+
+    fn embed_tokens(&self, batch: &PackedBatch, track: bool) -> Result<Tensor> {
+        let ids = Tensor::from_slice(&batch.input_ids, batch.num_tokens(), self.device())?;
+        Ok(w(&self.embed, track).embedding(&ids)?)
+    }
+
+    /// One decoder layer, `x: [T, hidden]` -> `[T, hidden]`.
+    fn layer_forward(&self, l: &Layer, x: &Tensor, batch: &PackedBatch, track: bool) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (t, d) = (batch.num_tokens(), c.head_dim);
+        let eps = c.rms_norm_eps;
+        let h = rms_norm(x, &w(&l.input_norm, track), eps)?;
+        let q = linear(&h, &l.q_proj, l.q_bias.as_ref(), track)?.reshape((t, c.num_attention_heads, d))?;
+        let k = linear(&h, &l.k_proj, l.k_bias.as_ref(), track)?.reshape((t, c.num_key_value_heads, d))?;
+        let v = linear(&h, &l.v_proj, l.v_bias.as_ref(), track)?.reshape((t, c.num_key_value_heads, d))?;
+        let q = rope(
+            &rms_norm(&q, &w(&l.q_norm, track), eps)?,
+            &batch.position_ids,
+            c.rope_theta,
+        )?;
+        let k = rope(
+            &rms_norm(&k, &w(&l.k_norm, track), eps)?,
+            &batch.position_ids,
+            c.rope_theta,
+        )?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let a = varlen_attention(&q, &k, &v, &batch.cu_seqlens, &batch.cu_seqlens, scale)?;
+        let a = a.reshape((t, c.num_attention_heads * d))?;
+        let x = (x + linear(&a, &l.o_proj, l.o_bias.as_ref(), track)?)?;
+        let h = rms_norm(&x, &w(&l.post_norm, track), eps)?;
+        let gate = linear(&h, &l.gate_proj, None, track)?;
+        let up = linear(&h, &l.up_proj, None, track)?;
+        let m = linear(&swiglu(&gate, &up)?, &l.down_proj, None, track)?;
+        Ok((x + m)?)
+    }
+
+    /// Final-normed hidden states `[T, hidden]`, no gradient tracking.
+    pub fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
+        self.check_batch(batch)?;
+        let mut x = self.embed_tokens(batch, false)?;
+        for l in &self.layers {
+            x = self.layer_forward(l, &x, batch, false)?;
+        }
+        Ok(rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?)
+    }
+
+    /// Full logits `[T, vocab]` in f32. For tests and small inputs: this is the path that
+    /// materialises every logit; training uses [`Self::logprobs_entropy`].
+    pub fn logits(&self, batch: &PackedBatch) -> Result<Tensor> {
+        let h = self.hidden_states(batch)?.to_dtype(DType::F32)?;
+        Ok(h.matmul(&self.lm_head_weight(false).to_dtype(DType::F32)?.t()?)?)
+    }
+
+    /// Per-token log-probs of the next token and entropies, no gradient tracking.
+    pub fn logprobs_entropy(&self, batch: &PackedBatch) -> Result<TokenOutputs> {
+        let h = self.hidden_states(batch)?;
+        let (logprobs, entropy) = logprobs_entropy(
+            &h,
+            &self.lm_head_weight(false),
+            &batch.targets,
+            self.logits_chunk_tokens,
+        )?;
+        Ok(TokenOutputs { logprobs, entropy })
+    }
+
+    /// Forward and backward of `loss_fn(logprobs, entropy)` over the packed batch. Returns the
+    /// loss value and the gradient of every parameter (tied embeddings: one gradient, both uses).
+    pub fn forward_backward(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        self.forward_backward_with_head(batch, recompute, |h| {
+            let (logprobs, entropy) =
+                logprobs_entropy(h, &self.lm_head_weight(true), &batch.targets, self.logits_chunk_tokens)?;
+            loss_fn(&TokenOutputs { logprobs, entropy })
+        })
+    }
+
+    /// The general form: `head` maps the final-normed hidden states `[T, hidden]` (tracked) to a
+    /// scalar loss. It may use the model's LM head or variables of its own (a value head); the
+    /// latter's gradients come back in `Gradients::head`.
+    pub fn forward_backward_with_head(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        head: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        self.check_batch(batch)?;
+        let keep_graph = recompute == Recompute::None;
+        // Forward. Under `None`, `kept[l]` holds layer l's input leaf and its tracked output; under
+        // `Full`, `inputs[l]` holds only the layer's (detached) input.
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
+        let mut kept: Vec<Option<(Var, Tensor)>> = Vec::with_capacity(self.layers.len());
+        let mut x = self.embed_tokens(batch, false)?;
+        for l in &self.layers {
+            if keep_graph {
+                let leaf = Var::from_tensor(&x)?;
+                let y = self.layer_forward(l, leaf.as_tensor(), batch, true)?;
+                x = y.detach();
+                kept.push(Some((leaf, y)));
+            } else {
+                let y = self.layer_forward(l, &x, batch, false)?;
+                inputs.push(std::mem::replace(&mut x, y));
+                kept.push(None);
+            }
+        }
+
+        // Head: final norm + the caller's loss.
+        let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
+        let last = Var::from_tensor(&x)?;
+        let hn = rms_norm(last.as_tensor(), &w(&self.norm, true), self.cfg.rms_norm_eps)?;
+        let loss = head(&hn)?;
+        if loss.elem_count() != 1 {
+            bail!("the loss must be a scalar, got shape {:?}", loss.dims());
+        }
+        let loss_value = loss.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0];
+        let mut head_grads = loss.backward()?;
+        let mut g = take_grad(&mut head_grads, last.as_tensor(), "the final hidden states")?;
+        self.move_grads(&mut head_grads, &mut params, &[&self.norm])?;
+        if let Some(lm) = &self.lm_head {
+            self.move_grads(&mut head_grads, &mut params, &[lm])?;
+        }
+        let tied_head_grad = self
+            .lm_head
+            .is_none()
+            .then(|| head_grads.remove(self.embed.as_tensor()))
+            .flatten();
+        drop(loss);
+        drop(hn);
+
+        // Layers in reverse.
+        for (i, l) in self.layers.iter().enumerate().rev() {
+            let (leaf, y) = match kept[i].take() {
+                Some(pair) => pair,
+                None => {
+                    let leaf = Var::from_tensor(&inputs[i])?;
+                    let y = self.layer_forward(l, leaf.as_tensor(), batch, true)?;
+                    (leaf, y)
+                }
+            };
+            let mut grads = (y * g.detach())?.sum_all()?.backward()?;
+            g = take_grad(&mut grads, leaf.as_tensor(), "a layer input")?;
+            let vars: Vec<&Var> = [
+                Some(&l.input_norm),
+                Some(&l.q_proj),
+                Some(&l.k_proj),
+                Some(&l.v_proj),
+                Some(&l.o_proj),
+                l.q_bias.as_ref(),
+                l.k_bias.as_ref(),
+                l.v_bias.as_ref(),
+                l.o_bias.as_ref(),
+                Some(&l.q_norm),
+                Some(&l.k_norm),
+                Some(&l.post_norm),
+                Some(&l.gate_proj),
+                Some(&l.up_proj),
+                Some(&l.down_proj),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            self.move_grads(&mut grads, &mut params, &vars)?;
+        }
+
+        // Embedding.
+        let e = self.embed_tokens(batch, true)?;
+        let mut grads = (e * g.detach())?.sum_all()?.backward()?;
+        let mut ge = take_grad(&mut grads, self.embed.as_tensor(), "model.embed_tokens.weight")?;
+        if let Some(t) = tied_head_grad {
+            ge = (ge + t)?;
+        }
+        params.insert("model.embed_tokens.weight".to_string(), ge);
+        Ok((
+            loss_value,
+            Gradients {
+                params,
+                head: head_grads,
+            },
+        ))
+    }
+
+    /// Moves the gradients of `vars` out of `grads` into `params` under their HF names. A
+    /// parameter that received no gradient gets zeros (it did not influence the loss).
+    fn move_grads(&self, grads: &mut GradStore, params: &mut BTreeMap<String, Tensor>, vars: &[&Var]) -> Result<()> {
+        for v in vars {
+            let name = self.name_of(v)?;
+            let g = match grads.remove(v.as_tensor()) {
+                Some(g) => g,
+                None => v.as_tensor().zeros_like()?,
+            };
+            params.insert(name.to_string(), g);
+        }
+        Ok(())
+    }
+
+    fn name_of(&self, v: &Var) -> Result<&str> {
+        let id = v.as_tensor().id();
+        self.params
+            .iter()
+            .find(|(_, p)| p.as_tensor().id() == id)
+            .map(|(n, _)| n.as_str())
+            .ok_or_else(|| anyhow!("internal: a variable that is not a model parameter"))
+    }
+}
+
+fn take_grad(grads: &mut GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
+    grads
+        .remove(t)
+        .ok_or_else(|| anyhow!("the loss does not depend on {what}: no gradient reached it"))
+}

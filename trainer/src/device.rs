@@ -1,0 +1,35 @@
+//! Device and dtype selection from command-line strings, with errors that say what is accepted.
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+
+/// `cpu`, `cuda` or `cuda:N`. CUDA needs a build with `--features cuda`.
+pub fn parse_device(s: &str) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        _ if s == "cuda" || s.starts_with("cuda:") => {
+            let ordinal = match s.strip_prefix("cuda:") {
+                Some(n) => n
+                    .parse::<usize>()
+                    .map_err(|_| anyhow::anyhow!("bad device {s:?}: expected cuda:N"))?,
+                None => 0,
+            };
+            if !candle_core::utils::cuda_is_available() {
+                bail!(
+                    "device {s:?} asked for, but this vime-train was built without CUDA (rebuild with --features cuda)"
+                );
+            }
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => bail!("unknown device {other:?} (expected cpu, cuda or cuda:N)"),
+    }
+}
+
+/// `f32`, `bf16` (or `bfloat16`), `f16` (or `float16`).
+pub fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" | "float32" | "fp32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" | "fp16" => Ok(DType::F16),
+        other => bail!("unknown dtype {other:?} (expected f32, bf16 or f16)"),
+    }
+}
