@@ -1,5 +1,5 @@
 //! Test helpers shared by the kernel tests and the model tests of other crates: a seeded normal
-//! generator (no `rand` dependency, same numbers on every machine), autograd gradients through
+//! generator (no `rand` dependency, same numbers on every machine, state saveable for resume), autograd gradients through
 //! candle's graph, central finite differences in f64, and a norm-wise relative error.
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -9,6 +9,13 @@ pub struct Rng(u64);
 impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    /// The generator's whole state: saving it and [`Rng::from_state`] resume the exact sequence.
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+    pub fn from_state(state: u64) -> Self {
+        Rng(state)
     }
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);

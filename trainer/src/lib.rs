@@ -1,6 +1,13 @@
-//! vime-trainer: everything around the model that makes it train (batching, losses, optimizer,
-//! checkpoints, the RL loop; built issue by issue) and the `vime-train` binary.
+//! vime-trainer: everything around the model that makes it train, and the `vime-train` binary.
 //!
-//! Built so far: [`score`], the `vime-train logprobs` scoring command.
+//! - [`optim`]: AdamW with fp32 master weights and moments, clipping, LR schedules, accumulation.
+//! - [`batching`]: dynamic micro-batches by `max_tokens_per_gpu`, balancing across DP ranks.
+//! - [`critic`]: the PPO critic (Qwen3 backbone + value head) and the frozen reference model.
+//! - [`ckpt`]: atomic training checkpoints (HF model + optimizer + loop state) and exact resume.
+//! - [`score`]: the `vime-train logprobs` scoring command.
+pub mod batching;
+pub mod ckpt;
+pub mod critic;
 pub mod device;
+pub mod optim;
 pub mod score;

@@ -1,0 +1,215 @@
+//! Training checkpoints: the model in HF layout, the optimizer state and the loop state, written
+//! atomically, and found again on resume.
+//!
+//! Layout under `--save DIR` (Megatron's names, so slime users recognise it):
+//!   DIR/iter_0000010/hf/                 config.json + safetensors: loads in HF transformers / vLLM
+//!   DIR/iter_0000010/optimizer.safetensors   fp32 master weights and Adam moments by HF name
+//!   DIR/iter_0000010/extra.safetensors       other tensors (critic value head, ...), optional
+//!   DIR/iter_0000010/state.json          step, rollout id, data cursor, RNG state, anything else
+//!   DIR/latest_checkpointed_iteration.txt    "10": written last
+//!
+//! Atomicity: everything is written into `DIR/.tmp-iter_0000010`, every file fsynced, the folder
+//! renamed to `iter_0000010` and `DIR` fsynced, and only then is the `latest` pointer replaced
+//! (temp file, fsync, rename). A crash at any point leaves the previous pointer naming a complete
+//! checkpoint; a stale temp folder from a crashed save is removed by the next save.
+//!
+//! `VIME_FAULT_INJECT=ckpt-abort-before-rename` aborts the process after the files are written and
+//! before the rename: the resume tests use it to kill a save midway for real.
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use vime_qwen3::checkpoint::DEFAULT_MAX_SHARD_BYTES;
+use vime_qwen3::model::Qwen3;
+
+pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
+
+/// Where the prompt data stands: epoch, position in the (shuffled) order, and the shuffle seed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataCursor {
+    pub epoch: u64,
+    pub offset: u64,
+    pub seed: u64,
+}
+
+/// The loop state saved beside the weights. `rng` is the trainer's generator state (a plain
+/// integer state, so resume reproduces every later draw); `extra` carries whatever the loop adds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub step: u64,
+    pub rollout_id: u64,
+    pub data: DataCursor,
+    pub rng: u64,
+    #[serde(default)]
+    pub optimizer_step: u64,
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+/// What a save writes.
+pub struct CheckpointContents<'a> {
+    pub state: &'a TrainState,
+    pub model: &'a Qwen3,
+    /// Dtype of the HF weights on disk (the model's own dtype keeps resume exact).
+    pub model_dtype: DType,
+    pub optimizer: &'a BTreeMap<String, Tensor>,
+    pub extra_tensors: &'a BTreeMap<String, Tensor>,
+}
+
+/// A checkpoint found on disk.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainState,
+    pub optimizer: BTreeMap<String, Tensor>,
+    pub extra_tensors: BTreeMap<String, Tensor>,
+}
+
+impl Loaded {
+    /// The HF-layout model folder of this checkpoint.
+    pub fn hf_dir(&self) -> PathBuf {
+        self.dir.join("hf")
+    }
+}
+
+pub fn iter_dir_name(step: u64) -> String {
+    format!("iter_{step:07}")
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("fsync {}", dir.display()))
+}
+
+fn fsync_tree(dir: &Path) -> Result<()> {
+    for entry in fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            fsync_tree(&path)?;
+        } else {
+            fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .with_context(|| format!("fsync {}", path.display()))?;
+        }
+    }
+    fsync_dir(dir)
+}
+
+fn write_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+    let cpu: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.to_device(&Device::Cpu)?.contiguous()?)))
+        .collect::<Result<_>>()?;
+    safetensors::serialize_to_file(cpu.iter().map(|(n, t)| (n.as_str(), t)), None, path)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Writes a checkpoint for `contents.state.step` under `root` and points `latest` at it.
+/// Returns the checkpoint folder.
+pub fn save(root: &Path, contents: &CheckpointContents) -> Result<PathBuf> {
+    let step = contents.state.step;
+    fs::create_dir_all(root).with_context(|| format!("creating the checkpoint folder {}", root.display()))?;
+    let name = iter_dir_name(step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).with_context(|| format!("removing a stale {}", tmp.display()))?;
+    }
+    fs::create_dir_all(&tmp)?;
+    contents
+        .model
+        .save_hf(&tmp.join("hf"), contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)?;
+    write_safetensors(&tmp.join("optimizer.safetensors"), contents.optimizer)?;
+    if !contents.extra_tensors.is_empty() {
+        write_safetensors(&tmp.join("extra.safetensors"), contents.extra_tensors)?;
+    }
+    fs::write(tmp.join("state.json"), serde_json::to_vec_pretty(contents.state)?)?;
+    fsync_tree(&tmp)?;
+    if std::env::var("VIME_FAULT_INJECT").as_deref() == Ok("ckpt-abort-before-rename") {
+        eprintln!("VIME_FAULT_INJECT: aborting while saving {}", tmp.display());
+        std::process::abort();
+    }
+    let dst = root.join(&name);
+    if dst.exists() {
+        // Re-saving a step (e.g. after a resume): the new one replaces it only once complete.
+        let old = root.join(format!(".old-{name}"));
+        let _ = fs::remove_dir_all(&old);
+        fs::rename(&dst, &old)?;
+        fs::rename(&tmp, &dst)?;
+        fs::remove_dir_all(&old)?;
+    } else {
+        fs::rename(&tmp, &dst).with_context(|| format!("renaming {} to {}", tmp.display(), dst.display()))?;
+    }
+    fsync_dir(root)?;
+    let ptr_tmp = root.join(format!(".{LATEST_FILE}.tmp"));
+    fs::write(&ptr_tmp, step.to_string())?;
+    fs::File::open(&ptr_tmp)?.sync_all()?;
+    fs::rename(&ptr_tmp, root.join(LATEST_FILE))?;
+    fsync_dir(root)?;
+    Ok(dst)
+}
+
+/// The step that `root/latest_checkpointed_iteration.txt` names, if any.
+pub fn latest_step(root: &Path) -> Result<Option<u64>> {
+    let p = root.join(LATEST_FILE);
+    if !p.exists() {
+        return Ok(None);
+    }
+    let text = fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+    let step = text
+        .trim()
+        .parse::<u64>()
+        .with_context(|| format!("{}: expected an iteration number, found {:?}", p.display(), text.trim()))?;
+    Ok(Some(step))
+}
+
+/// Loads the checkpoint that `latest` names under `root` (None when there is none yet). Tensors
+/// come back on `device`; the model itself is loaded by the caller from [`Loaded::hf_dir`].
+pub fn load_latest(root: &Path, device: &Device) -> Result<Option<Loaded>> {
+    match latest_step(root)? {
+        Some(step) => load_step(root, step, device).map(Some),
+        None => Ok(None),
+    }
+}
+
+pub fn load_step(root: &Path, step: u64, device: &Device) -> Result<Loaded> {
+    let dir = root.join(iter_dir_name(step));
+    if !dir.is_dir() {
+        bail!(
+            "checkpoint {} named by {} does not exist",
+            dir.display(),
+            root.join(LATEST_FILE).display()
+        );
+    }
+    let state_path = dir.join("state.json");
+    let state: TrainState =
+        serde_json::from_slice(&fs::read(&state_path).with_context(|| format!("reading {}", state_path.display()))?)
+            .with_context(|| format!("parsing {}", state_path.display()))?;
+    if state.step != step {
+        bail!(
+            "{} says step {} but sits in {}",
+            state_path.display(),
+            state.step,
+            dir.display()
+        );
+    }
+    let load = |name: &str| -> Result<BTreeMap<String, Tensor>> {
+        let p = dir.join(name);
+        if !p.exists() {
+            return Ok(BTreeMap::new());
+        }
+        Ok(candle_core::safetensors::load(&p, device)
+            .with_context(|| format!("reading {}", p.display()))?
+            .into_iter()
+            .collect())
+    };
+    let optimizer = load("optimizer.safetensors")?;
+    let extra_tensors = load("extra.safetensors")?;
+    Ok(Loaded {
+        dir,
+        state,
+        optimizer,
+        extra_tensors,
+    })
+}

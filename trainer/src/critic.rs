@@ -1,0 +1,269 @@
+//! The PPO critic (a Qwen3 backbone with a scalar value head) and the frozen reference model.
+//!
+//! Decisions:
+//! - The value head is a linear layer `hidden -> 1` WITH a bias, as slime's critic
+//!   (`LinearForLastLayer(hidden, 1, bias=True)` in slime/backends/megatron_utils/model_provider.py
+//!   replaces Megatron's `output_layer`): `v_t = h_t . w_v + b_v` on the final-normed hidden state
+//!   `h_t`. A fresh head is `w_v ~ N(0, std^2)`, `b_v = 0`, as slime's init and its
+//!   `_reinitialize_critic_output_layer`; slime's `std` is Megatron's `init_method_std` (0.02
+//!   unless set), vime uses the config's `initializer_range` (0.02 for every Qwen3 release).
+//! - The head lives in f32 (f64 when the backbone runs in f64, so finite-difference tests are
+//!   meaningful) whatever the backbone's dtype: hidden states are cast up before the head, as
+//!   slime casts the value output with `.float()`. The head is `hidden + 1` numbers, so its master
+//!   copy costs nothing.
+//! - `values[p]` is the value of the state after packed token `p`, i.e. before token `p + 1`, so
+//!   a sample's response-token values sit at the same packed positions as its log-probs
+//!   ([`crate::batching::MicroBatch::response_ranges`]), as slime's `get_values` slices them.
+//! - The critic's trainable parameters are the backbone's minus an untied `lm_head.weight` (the
+//!   value head replaces it; it is kept only so the backbone saves as a complete HF checkpoint),
+//!   plus [`VALUE_HEAD_WEIGHT`] and [`VALUE_HEAD_BIAS`]. [`Critic::forward_backward`] returns all of
+//!   them in `Gradients::params`, so an optimizer sees one name -> gradient map.
+//! - Checkpoint layout: the backbone exactly as an HF Qwen3 checkpoint (`config.json`,
+//!   `model.safetensors` or shards + index) and the head in [`VALUE_HEAD_FILE`], tensors
+//!   `value_head.weight` `[1, hidden]` and `value_head.bias` `[1]` in the head dtype (Megatron
+//!   calls them `output_layer.weight/bias`, TRL `v_head.summary.weight/bias`). HF transformers and
+//!   vime load the directory as a plain Qwen3 (they read only the model files); vLLM's loader
+//!   globs `*.safetensors` and would trip on the head file, but critics are never served.
+//!   [`Critic::load`] requires the head file; [`Critic::init_from_hf`] always starts a fresh head
+//!   (slime re-initialises a head missing from the checkpoint; here the caller chooses, with
+//!   [`Critic::has_value_head`]).
+//! - [`ReferenceModel`] (`--ref-load`) owns a `Qwen3` and exposes only forward log-probs. Every
+//!   forward it calls reads detached weights (no autograd graph), and with no backward API nothing
+//!   ever allocates a gradient: candle keeps no per-variable gradient buffer (a `GradStore` exists
+//!   only as the result of a `backward()`), so its memory is the weights and one forward's
+//!   activations.
+use crate::batching::MicroBatch;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use std::collections::HashMap;
+use std::path::Path;
+use vime_qwen3::batch::PackedBatch;
+use vime_qwen3::config::Qwen3Config;
+use vime_qwen3::model::{Gradients, Qwen3, Recompute};
+use vime_qwen3::state_dict::LM_HEAD;
+
+/// The value head's file inside a critic checkpoint directory.
+pub const VALUE_HEAD_FILE: &str = "value_head.safetensors";
+/// `[1, hidden]`.
+pub const VALUE_HEAD_WEIGHT: &str = "value_head.weight";
+/// `[1]`.
+pub const VALUE_HEAD_BIAS: &str = "value_head.bias";
+
+/// The value head's dtype for a backbone of `model_dtype`: f64 stays f64, all else computes in f32.
+pub fn value_head_dtype(model_dtype: DType) -> DType {
+    if model_dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// A Qwen3 backbone with a scalar value head.
+pub struct Critic {
+    backbone: Qwen3,
+    weight: Var,
+    bias: Var,
+}
+
+impl Critic {
+    /// Wraps `backbone` with the given head (`weight [1, hidden]`, `bias [1]`), converted to
+    /// [`value_head_dtype`] on the backbone's device.
+    pub fn new(backbone: Qwen3, weight: &Tensor, bias: &Tensor) -> Result<Self> {
+        let h = backbone.config().hidden_size;
+        ensure!(
+            weight.dims() == [1, h],
+            "{VALUE_HEAD_WEIGHT}: expected shape [1, {h}], found {:?}",
+            weight.dims()
+        );
+        ensure!(
+            bias.dims() == [1],
+            "{VALUE_HEAD_BIAS}: expected shape [1], found {:?}",
+            bias.dims()
+        );
+        let (dt, dev) = (value_head_dtype(backbone.dtype()), backbone.device().clone());
+        let weight = Var::from_tensor(&weight.to_device(&dev)?.to_dtype(dt)?.contiguous()?)?;
+        let bias = Var::from_tensor(&bias.to_device(&dev)?.to_dtype(dt)?.contiguous()?)?;
+        Ok(Self { backbone, weight, bias })
+    }
+
+    /// `backbone` with a fresh head: `w_v ~ N(0, std^2)` from a seeded generator, `b_v = 0`.
+    pub fn with_fresh_value_head(backbone: Qwen3, std: f64, seed: u64) -> Result<Self> {
+        let h = backbone.config().hidden_size;
+        let (dt, dev) = (value_head_dtype(backbone.dtype()), backbone.device().clone());
+        let w = vime_kernels::testing::Rng::new(seed).randn(&[1, h], std, dt, &dev)?;
+        let b = Tensor::zeros(1, dt, &dev)?;
+        Self::new(backbone, &w, &b)
+    }
+
+    /// A new critic from an HF Qwen3 checkpoint (e.g. the policy's `--hf-checkpoint`): backbone
+    /// weights from `dir`, a fresh head with `std = initializer_range`. Any head file in `dir` is
+    /// ignored; use [`Critic::load`] to resume.
+    pub fn init_from_hf(dir: &Path, dtype: DType, device: &Device, seed: u64) -> Result<Self> {
+        let backbone = Qwen3::load_hf(dir, dtype, device)?;
+        let std = backbone.config().initializer_range;
+        Self::with_fresh_value_head(backbone, std, seed)
+    }
+
+    /// Whether `dir` holds a saved value head.
+    pub fn has_value_head(dir: &Path) -> bool {
+        dir.join(VALUE_HEAD_FILE).is_file()
+    }
+
+    /// Loads a critic saved by [`Critic::save`]: the HF backbone and `dir/value_head.safetensors`.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let path = dir.join(VALUE_HEAD_FILE);
+        if !path.is_file() {
+            bail!(
+                "{}: no value head; a critic checkpoint has {VALUE_HEAD_FILE} next to the HF weights \
+                 (use Critic::init_from_hf to start a critic from a plain Qwen3 checkpoint)",
+                path.display()
+            );
+        }
+        let backbone = Qwen3::load_hf(dir, dtype, device)?;
+        let mut head = candle_core::safetensors::load(&path, device)
+            .with_context(|| format!("reading value head {}", path.display()))?;
+        let mut take = |name: &str| {
+            head.remove(name)
+                .ok_or_else(|| anyhow!("{}: missing tensor {name}", path.display()))
+        };
+        let (w, b) = (take(VALUE_HEAD_WEIGHT)?, take(VALUE_HEAD_BIAS)?);
+        if let Some(extra) = head.keys().next() {
+            bail!("{}: unexpected tensor {extra}", path.display());
+        }
+        Self::new(backbone, &w, &b).with_context(|| format!("loading value head {}", path.display()))
+    }
+
+    /// Writes the backbone as an HF checkpoint (stored as `dtype`, sharded past `max_shard_bytes`)
+    /// and the head, in its own dtype, to `dir/value_head.safetensors` (temp file, fsync, rename).
+    pub fn save(&self, dir: &Path, dtype: DType, max_shard_bytes: u64) -> Result<()> {
+        self.backbone.save_hf(dir, dtype, max_shard_bytes)?;
+        let tensors: HashMap<String, Tensor> = [
+            (VALUE_HEAD_WEIGHT.to_string(), self.weight.as_detached_tensor()),
+            (VALUE_HEAD_BIAS.to_string(), self.bias.as_detached_tensor()),
+        ]
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?)))
+        .collect::<Result<_>>()?;
+        let fin = dir.join(VALUE_HEAD_FILE);
+        let tmp = dir.join(format!(".{VALUE_HEAD_FILE}.vime-tmp-{}", std::process::id()));
+        let r = (|| -> Result<()> {
+            candle_core::safetensors::save(&tensors, &tmp)?;
+            std::fs::File::open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, &fin)?;
+            #[cfg(unix)]
+            std::fs::File::open(dir)?.sync_all()?;
+            Ok(())
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r.with_context(|| format!("writing {}", fin.display()))
+    }
+
+    pub fn backbone(&self) -> &Qwen3 {
+        &self.backbone
+    }
+
+    pub fn config(&self) -> &Qwen3Config {
+        self.backbone.config()
+    }
+
+    /// `(weight [1, hidden], bias [1])`.
+    pub fn value_head(&self) -> (&Var, &Var) {
+        (&self.weight, &self.bias)
+    }
+
+    /// The trainable parameters by name: the backbone's (minus an untied `lm_head.weight`), then
+    /// [`VALUE_HEAD_WEIGHT`] and [`VALUE_HEAD_BIAS`].
+    pub fn named_parameters(&self) -> Vec<(String, Var)> {
+        let mut v: Vec<(String, Var)> = self
+            .backbone
+            .named_parameters()
+            .iter()
+            .filter(|(n, _)| n != LM_HEAD)
+            .cloned()
+            .collect();
+        v.push((VALUE_HEAD_WEIGHT.to_string(), self.weight.clone()));
+        v.push((VALUE_HEAD_BIAS.to_string(), self.bias.clone()));
+        v
+    }
+
+    /// `h [T, hidden] -> [T]` in the head dtype.
+    fn head(&self, h: &Tensor, track: bool) -> Result<Tensor> {
+        let (w, b) = if track {
+            (self.weight.as_tensor().clone(), self.bias.as_tensor().clone())
+        } else {
+            (self.weight.as_detached_tensor(), self.bias.as_detached_tensor())
+        };
+        let v = h.to_dtype(w.dtype())?.matmul(&w.t()?)?.broadcast_add(&b)?;
+        Ok(v.squeeze(1)?)
+    }
+
+    /// Per-token values `[T]` (f32, or f64 for an f64 backbone), no gradient tracking.
+    pub fn values(&self, batch: &PackedBatch) -> Result<Tensor> {
+        self.head(&self.backbone.hidden_states(batch)?, false)
+    }
+
+    /// Values of a micro-batch read back per sample's response tokens (for old values / GAE).
+    pub fn response_values(&self, mb: &MicroBatch) -> Result<Vec<(usize, Vec<f32>)>> {
+        mb.responses_from_packed(&self.values(&mb.batch)?)
+    }
+
+    /// Forward and backward of `loss_fn(values [T])`. Returns the loss and the gradient of every
+    /// trainable parameter (see [`Critic::named_parameters`]), value head included.
+    pub fn forward_backward(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        let (loss, mut grads) = self
+            .backbone
+            .forward_backward_with_head(batch, recompute, |h| loss_fn(&self.head(h, true)?))?;
+        grads.params.remove(LM_HEAD);
+        for (name, var) in [(VALUE_HEAD_WEIGHT, &self.weight), (VALUE_HEAD_BIAS, &self.bias)] {
+            let g = match grads.head.remove(var.as_tensor()) {
+                Some(g) => g,
+                None => var.as_tensor().zeros_like()?,
+            };
+            grads.params.insert(name.to_string(), g);
+        }
+        Ok((loss, grads))
+    }
+}
+
+/// The frozen reference policy (`--ref-load`): forward log-probs only (see the module notes).
+pub struct ReferenceModel {
+    model: Qwen3,
+}
+
+impl ReferenceModel {
+    /// Loads an HF Qwen3 checkpoint directory as the reference.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let model =
+            Qwen3::load_hf(dir, dtype, device).with_context(|| format!("loading --ref-load {}", dir.display()))?;
+        Ok(Self { model })
+    }
+
+    /// Freezes an already built model (e.g. a copy of the initial policy).
+    pub fn from_model(model: Qwen3) -> Self {
+        Self { model }
+    }
+
+    pub fn config(&self) -> &Qwen3Config {
+        self.model.config()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.model.dtype()
+    }
+
+    pub fn set_logits_chunk_tokens(&mut self, n: usize) {
+        self.model.set_logits_chunk_tokens(n);
+    }
+
+    /// Per-token next-token log-probs `[T]` f32 (0 at each sequence's last token).
+    pub fn logprobs(&self, batch: &PackedBatch) -> Result<Tensor> {
+        Ok(self.model.logprobs_entropy(batch)?.logprobs)
+    }
+}

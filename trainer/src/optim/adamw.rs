@@ -1,0 +1,292 @@
+//! AdamW over fp32 master weights and fp32 moments, exactly `torch.optim.AdamW`'s update:
+//!
+//! ```text
+//! p  <- p * (1 - lr * wd)                         (decoupled decay; wd = 0 for excluded params)
+//! m  <- m + (1 - b1) * (g - m)                    (torch's lerp)
+//! v  <- v * b2 + (1 - b2) * g * g
+//! p  <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//! ```
+//!
+//! Decisions:
+//! - The master copy is f32. For a model held in f32 the model's `Var` *is* the master (no second
+//!   copy); for bf16/f16 a separate f32 tensor is kept and the model receives its cast after every
+//!   step, so updates smaller than the model dtype's resolution still accumulate.
+//! - Moments start at zero and live on the parameter's device. Each step builds new tensors and
+//!   only the model's `Var`s are written in place, so tensors handed out by `state_tensors` stay
+//!   valid snapshots.
+//! - `step` checks every gradient (present, right shape, no unknown names) before touching any
+//!   state, so a failed call changes nothing.
+//! - Checkpoint state is `master.<name>`, `exp_avg.<name>`, `exp_avg_sq.<name>` (f32) plus the step
+//!   count, which [`AdamW::num_steps`] returns and `load_state_tensors` takes: the count is an
+//!   integer that the training loop checkpoints with its own counters.
+use super::OptimizerArgs;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor, Var};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Megatron's classic weight-decay rule: decay everything except 1-D parameters (norm gains,
+/// biases) and anything named `*.bias`.
+pub fn megatron_weight_decay(name: &str, shape: &[usize]) -> bool {
+    !(shape.len() == 1 || name.ends_with(".bias"))
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Steps taken, this one included (the `t` of the bias correction).
+    pub step: u64,
+    pub lr: f64,
+}
+
+struct ParamState {
+    name: String,
+    var: Var,
+    weight_decay: bool,
+    /// `None` when the model's dtype is f32: then the `Var` is the master.
+    master: Option<Tensor>,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+impl ParamState {
+    fn master(&self) -> Tensor {
+        match &self.master {
+            Some(m) => m.clone(),
+            None => self.var.as_detached_tensor(),
+        }
+    }
+}
+
+pub struct AdamW {
+    params: Vec<ParamState>,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    num_steps: u64,
+}
+
+impl AdamW {
+    /// AdamW over `params` (HF name, model `Var`) with Megatron's weight-decay exclusions.
+    pub fn new(params: &[(String, Var)], args: &OptimizerArgs) -> Result<Self> {
+        Self::with_weight_decay_rule(params, args, megatron_weight_decay)
+    }
+
+    /// AdamW where `decay(name, shape)` says which parameters get weight decay.
+    pub fn with_weight_decay_rule(
+        params: &[(String, Var)],
+        args: &OptimizerArgs,
+        decay: impl Fn(&str, &[usize]) -> bool,
+    ) -> Result<Self> {
+        Self::check_hyper_params(args)?;
+        let mut seen = BTreeSet::new();
+        let mut states = Vec::with_capacity(params.len());
+        for (name, var) in params {
+            if !seen.insert(name.as_str()) {
+                bail!("parameter {name} is listed twice");
+            }
+            let dtype = var.dtype();
+            if !dtype.is_float() {
+                bail!("parameter {name} has dtype {dtype:?}; AdamW needs floating-point parameters");
+            }
+            let master = match dtype {
+                DType::F32 => None,
+                _ => Some(var.as_detached_tensor().to_dtype(DType::F32)?),
+            };
+            let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+            states.push(ParamState {
+                name: name.clone(),
+                weight_decay: decay(name, var.dims()),
+                var: var.clone(),
+                master,
+                exp_avg: zeros.clone(),
+                exp_avg_sq: zeros,
+            });
+        }
+        Ok(AdamW {
+            params: states,
+            beta1: args.adam_beta1,
+            beta2: args.adam_beta2,
+            eps: args.adam_eps,
+            weight_decay: args.weight_decay,
+            num_steps: 0,
+        })
+    }
+
+    pub(crate) fn check_hyper_params(args: &OptimizerArgs) -> Result<()> {
+        for (flag, b) in [("adam_beta1", args.adam_beta1), ("adam_beta2", args.adam_beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                bail!("{flag} must be in [0, 1), got {b}");
+            }
+        }
+        if !(args.adam_eps >= 0.0 && args.adam_eps.is_finite()) {
+            bail!("adam_eps must be finite and >= 0, got {}", args.adam_eps);
+        }
+        if !(args.weight_decay >= 0.0 && args.weight_decay.is_finite()) {
+            bail!("weight_decay must be finite and >= 0, got {}", args.weight_decay);
+        }
+        Ok(())
+    }
+
+    /// Optimizer steps taken so far (the LR of the next step is `sched.lr_at(num_steps())`).
+    pub fn num_steps(&self) -> u64 {
+        self.num_steps
+    }
+
+    /// Parameter names in the order given at construction.
+    pub fn param_names(&self) -> impl Iterator<Item = &str> {
+        self.params.iter().map(|p| p.name.as_str())
+    }
+
+    /// Whether `name` gets weight decay; `None` for an unknown name.
+    pub fn weight_decay_of(&self, name: &str) -> Option<bool> {
+        self.params.iter().find(|p| p.name == name).map(|p| p.weight_decay)
+    }
+
+    /// The f32 master weight of `name` (for an f32 model: the model tensor itself, which the next
+    /// step overwrites in place; `copy()` it to keep it).
+    pub fn master(&self, name: &str) -> Option<Tensor> {
+        self.params.iter().find(|p| p.name == name).map(ParamState::master)
+    }
+
+    /// One AdamW step with learning rate `lr` on the (accumulated, clipped) gradients, keyed by
+    /// the same names as the parameters. Writes the new weights into the model's `Var`s.
+    pub fn step(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<StepStats> {
+        if !(lr.is_finite() && lr >= 0.0) {
+            bail!("learning rate must be finite and >= 0, got {lr}");
+        }
+        for p in &self.params {
+            let Some(g) = grads.get(&p.name) else {
+                bail!("no gradient for parameter {} {:?}", p.name, p.var.dims());
+            };
+            if g.dims() != p.var.dims() {
+                bail!(
+                    "gradient of {} has shape {:?}, the parameter {:?}",
+                    p.name,
+                    g.dims(),
+                    p.var.dims()
+                );
+            }
+        }
+        if grads.len() != self.params.len() {
+            let unknown: Vec<&str> = grads
+                .keys()
+                .filter(|n| !self.params.iter().any(|p| &p.name == *n))
+                .map(String::as_str)
+                .collect();
+            bail!(
+                "gradients for parameters this optimizer does not hold: {}",
+                unknown.join(", ")
+            );
+        }
+
+        let t = self.num_steps + 1;
+        let bias_correction1 = 1.0 - self.beta1.powf(t as f64);
+        let bias_correction2_sqrt = (1.0 - self.beta2.powf(t as f64)).sqrt();
+        let step_size = lr / bias_correction1;
+        let (beta1, beta2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
+        for p in self.params.iter_mut() {
+            let name = p.name.clone();
+            let update = || -> Result<(Tensor, Tensor, Tensor)> {
+                let g = grads[&p.name].to_dtype(DType::F32)?.to_device(p.var.device())?;
+                let mut master = p.master();
+                let decay = if p.weight_decay { lr * wd } else { 0.0 };
+                if decay != 0.0 {
+                    master = master.affine(1.0 - decay, 0.0)?;
+                }
+                let exp_avg = ((&g - &p.exp_avg)?.affine(1.0 - beta1, 0.0)? + &p.exp_avg)?;
+                let exp_avg_sq = (p.exp_avg_sq.affine(beta2, 0.0)? + (g.affine(1.0 - beta2, 0.0)? * &g)?)?;
+                let denom = (exp_avg_sq.sqrt()? / bias_correction2_sqrt)?.affine(1.0, eps)?;
+                let master = ((exp_avg.affine(-step_size, 0.0)? / denom)? + master)?;
+                Ok((master, exp_avg, exp_avg_sq))
+            };
+            let (master, exp_avg, exp_avg_sq) = update().with_context(|| format!("AdamW update of {name}"))?;
+            write_model(&p.var, &master).with_context(|| format!("writing {name} into the model"))?;
+            if p.master.is_some() {
+                p.master = Some(master);
+            }
+            p.exp_avg = exp_avg;
+            p.exp_avg_sq = exp_avg_sq;
+        }
+        self.num_steps = t;
+        Ok(StepStats { step: t, lr })
+    }
+
+    /// Optimizer state by name, all f32: `master.<name>`, `exp_avg.<name>`, `exp_avg_sq.<name>`.
+    /// The step count is [`AdamW::num_steps`]. The tensors are snapshots (later steps do not
+    /// change them).
+    pub fn state_tensors(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        for p in &self.params {
+            let master = match &p.master {
+                Some(m) => m.clone(),
+                None => p.var.as_detached_tensor().copy()?,
+            };
+            out.insert(format!("master.{}", p.name), master);
+            out.insert(format!("exp_avg.{}", p.name), p.exp_avg.clone());
+            out.insert(format!("exp_avg_sq.{}", p.name), p.exp_avg_sq.clone());
+        }
+        Ok(out)
+    }
+
+    /// Restores what [`AdamW::state_tensors`] and [`AdamW::num_steps`] returned, and writes the
+    /// master weights (cast to the model dtype) into the model, so model and optimizer agree bit
+    /// for bit with the run that saved them. Every tensor is checked (present, f32, shape, no
+    /// unknown names) before anything changes.
+    pub fn load_state_tensors(&mut self, map: &BTreeMap<String, Tensor>, num_steps: u64) -> Result<()> {
+        let mut expected = BTreeSet::new();
+        for p in &self.params {
+            for prefix in ["master", "exp_avg", "exp_avg_sq"] {
+                let key = format!("{prefix}.{}", p.name);
+                let Some(t) = map.get(&key) else {
+                    bail!("optimizer state has no tensor {key}");
+                };
+                if t.dtype() != DType::F32 {
+                    bail!("optimizer state tensor {key} has dtype {:?}, expected F32", t.dtype());
+                }
+                if t.dims() != p.var.dims() {
+                    bail!(
+                        "optimizer state tensor {key} has shape {:?}, the parameter {:?}",
+                        t.dims(),
+                        p.var.dims()
+                    );
+                }
+                expected.insert(key);
+            }
+        }
+        let unknown: Vec<&str> = map
+            .keys()
+            .filter(|k| !expected.contains(*k))
+            .map(String::as_str)
+            .collect();
+        if !unknown.is_empty() {
+            bail!(
+                "optimizer state has tensors for no parameter of this model: {}",
+                unknown.join(", ")
+            );
+        }
+        for p in self.params.iter_mut() {
+            let load = |prefix: &str| -> Result<Tensor> {
+                let key = format!("{prefix}.{}", p.name);
+                Ok(map[&key].to_device(p.var.device())?)
+            };
+            let (master, exp_avg, exp_avg_sq) = (load("master")?, load("exp_avg")?, load("exp_avg_sq")?);
+            // A private copy: the map may hold the model's own tensor, which `Var::set` refuses.
+            let master = master.copy()?;
+            write_model(&p.var, &master).with_context(|| format!("writing master.{} into the model", p.name))?;
+            if p.master.is_some() {
+                p.master = Some(master);
+            }
+            p.exp_avg = exp_avg;
+            p.exp_avg_sq = exp_avg_sq;
+        }
+        self.num_steps = num_steps;
+        Ok(())
+    }
+}
+
+/// `var <- master` cast to the var's dtype.
+fn write_model(var: &Var, master: &Tensor) -> Result<()> {
+    var.set(&master.to_dtype(var.dtype())?)?;
+    Ok(())
+}
