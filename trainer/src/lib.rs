@@ -1,5 +1,6 @@
 //! vime-trainer: everything around the model that makes it train, and the `vime-train` binary.
 //!
+//! - [`rl`]: advantage estimators and RL losses, following slime's formulas.
 //! - [`optim`]: AdamW with fp32 master weights and moments, clipping, LR schedules, accumulation.
 //! - [`batching`]: dynamic micro-batches by `max_tokens_per_gpu`, balancing across DP ranks.
 //! - [`critic`]: the PPO critic (Qwen3 backbone + value head) and the frozen reference model.
@@ -10,4 +11,5 @@ pub mod ckpt;
 pub mod critic;
 pub mod device;
 pub mod optim;
+pub mod rl;
 pub mod score;
