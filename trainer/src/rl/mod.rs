@@ -136,6 +136,10 @@ pub struct RlArgs {
     /// Clip range of the critic's value update.
     #[arg(long, default_value_t = 0.2)]
     pub value_clip: f64,
+    /// PPO warm-up: for the first N rollouts only the critic is trained (slime `train.py`:
+    /// the actor trains when `rollout_id >= num_critic_only_steps`).
+    #[arg(long, default_value_t = 0)]
+    pub num_critic_only_steps: u64,
 }
 
 impl Default for RlArgs {
@@ -161,6 +165,7 @@ impl Default for RlArgs {
             tis_clip_low: 0.0,
             calculate_per_token_loss: false,
             value_clip: 0.2,
+            num_critic_only_steps: 0,
         }
     }
 }
@@ -169,6 +174,12 @@ impl RlArgs {
     /// The upper clip range as slime resolves it: `eps_clip_high`, or `eps_clip` when unset.
     pub fn eps_clip_high_resolved(&self) -> f64 {
         self.eps_clip_high.unwrap_or(self.eps_clip)
+    }
+
+    /// Whether the actor takes optimizer steps on this rollout (false during the critic-only
+    /// warm-up of `--num-critic-only-steps`).
+    pub fn train_actor(&self, rollout_id: u64) -> bool {
+        rollout_id >= self.num_critic_only_steps
     }
 
     /// Whether the critic is trained (slime: `use_critic = advantage_estimator == "ppo"`).
