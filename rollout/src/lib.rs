@@ -1,3 +1,10 @@
-//! vime-rollout: prompt datasets, chat templates, rewards and the rollout engines (built-in and
-//! vLLM). Not built yet: see the rollout-side issue. The crate exists so the workspace layout is
-//! the agreed one from the first commit.
+//! vime-rollout: everything between prompts and scored samples.
+//!
+//! - [`data`]: prompt datasets (`--prompt-data` JSONL), chat templates, tokenization.
+//! - [`reward`]: reward functions (`--rm-type`): deepscaler, math, dapo, f1, remote_rm.
+//! - [`engine`]: the `RolloutEngine` trait and the built-in engine (KV-cache sampling on the
+//!   `vime-qwen3` weights, log-probs from the trainer's own kernels).
+//! - [`serve`]: `vime-serve`, the built-in engine behind vLLM 0.33's HTTP API subset.
+//! - [`vllm`]: the client for vLLM engines (direct or through vllm-router) and the launcher.
+pub mod data;
+pub mod engine;

@@ -9,5 +9,6 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
+pub mod infer;
 pub mod model;
 pub mod state_dict;

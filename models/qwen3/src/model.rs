@@ -64,29 +64,29 @@ pub struct Gradients {
     pub head: GradStore,
 }
 
-struct Layer {
-    input_norm: Var,
-    q_proj: Var,
-    k_proj: Var,
-    v_proj: Var,
-    o_proj: Var,
-    q_bias: Option<Var>,
-    k_bias: Option<Var>,
-    v_bias: Option<Var>,
-    o_bias: Option<Var>,
-    q_norm: Var,
-    k_norm: Var,
-    post_norm: Var,
-    gate_proj: Var,
-    up_proj: Var,
-    down_proj: Var,
+pub(crate) struct Layer {
+    pub(crate) input_norm: Var,
+    pub(crate) q_proj: Var,
+    pub(crate) k_proj: Var,
+    pub(crate) v_proj: Var,
+    pub(crate) o_proj: Var,
+    pub(crate) q_bias: Option<Var>,
+    pub(crate) k_bias: Option<Var>,
+    pub(crate) v_bias: Option<Var>,
+    pub(crate) o_bias: Option<Var>,
+    pub(crate) q_norm: Var,
+    pub(crate) k_norm: Var,
+    pub(crate) post_norm: Var,
+    pub(crate) gate_proj: Var,
+    pub(crate) up_proj: Var,
+    pub(crate) down_proj: Var,
 }
 
 pub struct Qwen3 {
     cfg: Qwen3Config,
-    embed: Var,
-    layers: Vec<Layer>,
-    norm: Var,
+    pub(crate) embed: Var,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Var,
     /// `None` when the LM head is tied to the embedding.
     lm_head: Option<Var>,
     /// Every parameter by HF name, in the canonical `param_specs` order.
@@ -96,7 +96,7 @@ pub struct Qwen3 {
 }
 
 /// Weights as plain tensors: tracked (part of the autograd graph) or detached (no graph at all).
-fn w(v: &Var, track: bool) -> Tensor {
+pub(crate) fn w(v: &Var, track: bool) -> Tensor {
     if track {
         v.as_tensor().clone()
     } else {
@@ -104,7 +104,7 @@ fn w(v: &Var, track: bool) -> Tensor {
     }
 }
 
-fn linear(x: &Tensor, weight: &Var, bias: Option<&Var>, track: bool) -> Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, weight: &Var, bias: Option<&Var>, track: bool) -> Result<Tensor> {
     let y = x.matmul(&w(weight, track).t()?)?;
     Ok(match bias {
         Some(b) => y.broadcast_add(&w(b, track))?,
@@ -244,7 +244,7 @@ impl Qwen3 {
         self.logits_chunk_tokens = n.max(1);
     }
 
-    fn lm_head_weight(&self, track: bool) -> Tensor {
+    pub(crate) fn lm_head_weight(&self, track: bool) -> Tensor {
         w(self.lm_head.as_ref().unwrap_or(&self.embed), track)
     }
 

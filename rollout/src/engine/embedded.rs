@@ -1,0 +1,447 @@
+//! The built-in engine: continuous-batching generation on the `vime-qwen3` weights, in process.
+//!
+//! Each step runs one [`Qwen3::forward_with_cache`] over every active sequence (one new token
+//! each) plus the newly admitted prompts (their whole prompt), samples one token per sequence,
+//! and retires the finished ones, freeing their KV-cache slot for the next waiting request.
+//!
+//! Decisions:
+//! - Sampling follows vLLM 0.33 (`vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`):
+//!   temperature below 1e-5 is greedy (argmax; top-k / top-p ignored); otherwise logits / T, then
+//!   top-k (ties with the k-th value kept), then top-p on the renormalised top-k distribution
+//!   (a token is dropped when the tokens ranked above it already hold mass >= p; the top token is
+//!   always kept), then a draw.
+//! - Every request owns its generator (the [`Rng`] SplitMix64, seeded by `seed`, or by a draw
+//!   from the engine's generator when `None`) and consumes exactly one uniform per sampled token,
+//!   so a seeded request samples the same tokens whatever else is in the batch.
+//! - Log-probs are vLLM's default `logprobs_mode = "raw_logprobs"`: log-softmax of the
+//!   unmodified logits (no temperature, no top-k/p), computed by the trainer's own
+//!   `vime_kernels::logprobs_entropy` on the final-normed hidden state that produced the token:
+//!   the same op and inputs as the trainer's log-probs, so the rollout-vs-trainer gap is rounding.
+//!   The sampling logits are a separate matmul in the model's dtype, widened to f32 as vLLM does
+//!   (the fused kernel never materialises logits).
+//! - Stopping, in vLLM's `check_stop` order: an EOS id or a `stop_token_ids` id ends with `Stop`
+//!   (the id is kept); then `max_tokens` generated, or prompt + output reaching
+//!   `max_position_embeddings` (vLLM's `max_model_len`), ends with `Length`.
+//! - EOS ids come from the checkpoint (`config.json` and `generation_config.json`'s
+//!   `eos_token_id`, as vLLM adds them unless `ignore_eos`); [`EngineOptions::eos_token_ids`]
+//!   overrides them.
+//! - The model sits behind a `RwLock`: `generate` holds the read lock for the whole batch; a weight
+//!   update takes the write lock and copies into the existing `Var`s (`Var::set`), so in-flight
+//!   generation never sees half-updated weights and no buffer is reallocated. Every tensor is
+//!   checked (names and shapes, each problem naming its tensor) before any is written.
+use super::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+use std::collections::{BTreeMap, VecDeque};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use vime_kernels::logprobs_entropy;
+use vime_kernels::testing::Rng;
+use vime_qwen3::checkpoint::{check_tensors, load_config, load_hf_weights};
+use vime_qwen3::config::Qwen3Config;
+use vime_qwen3::infer::HiddenRows;
+use vime_qwen3::model::Qwen3;
+
+/// vLLM's `_SAMPLING_EPS`: a temperature below it means greedy.
+pub const SAMPLING_EPS: f64 = 1e-5;
+
+/// Engine-wide settings (per-request ones are in [`SamplingParams`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineOptions {
+    /// Sequences decoded together at most (vLLM `--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Tokens per step at most (decode tokens + admitted prompts); a prompt longer than this runs
+    /// alone in its step (vLLM `--max-num-batched-tokens`, without chunked prefill).
+    pub max_num_batched_tokens: usize,
+    /// Ids that end generation with `Stop` for every request, in addition to `stop_token_ids`.
+    pub eos_token_ids: Vec<u32>,
+    /// Seed of the engine's generator, which seeds the requests that bring no seed of their own.
+    pub seed: u64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            eos_token_ids: Vec::new(),
+            seed: 0,
+        }
+    }
+}
+
+impl EngineOptions {
+    /// Defaults, with the EOS ids of `cfg` (`eos_token_id`).
+    pub fn for_config(cfg: &Qwen3Config) -> Self {
+        Self {
+            eos_token_ids: cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default(),
+            ..Self::default()
+        }
+    }
+}
+
+/// In-process [`RolloutEngine`] on a [`Qwen3`] model.
+pub struct EmbeddedEngine {
+    model: RwLock<Qwen3>,
+    weight_version: AtomicU64,
+    rng: Mutex<Rng>,
+    opts: EngineOptions,
+}
+
+impl EmbeddedEngine {
+    pub fn new(model: Qwen3, opts: EngineOptions) -> Result<Self> {
+        if opts.max_num_seqs == 0 || opts.max_num_batched_tokens == 0 {
+            bail!("max_num_seqs and max_num_batched_tokens must be positive, got {opts:?}");
+        }
+        Ok(Self {
+            model: RwLock::new(model),
+            weight_version: AtomicU64::new(0),
+            rng: Mutex::new(Rng::new(opts.seed)),
+            opts,
+        })
+    }
+
+    /// Loads an HF checkpoint directory; the EOS ids come from its `config.json` and
+    /// `generation_config.json`.
+    pub fn load_hf(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        let model = Qwen3::load_hf(dir, dtype, device)?;
+        let mut opts = EngineOptions::for_config(model.config());
+        for id in generation_config_eos(dir)? {
+            if !opts.eos_token_ids.contains(&id) {
+                opts.eos_token_ids.push(id);
+            }
+        }
+        Self::new(model, opts)
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    pub fn config(&self) -> Result<Qwen3Config> {
+        Ok(self.read()?.config().clone())
+    }
+
+    /// Runs `f` on the model under the read lock (weights cannot change meanwhile).
+    pub fn with_model<R>(&self, f: impl FnOnce(&Qwen3) -> R) -> Result<R> {
+        Ok(f(&*self.read()?))
+    }
+
+    /// Replaces every weight with `tensors` (HF names, exactly the model's parameter set, any float
+    /// dtype and device: converted to the model's) and bumps the weight version. Nothing is
+    /// written unless every tensor checks out.
+    pub fn update_weights(&self, tensors: &BTreeMap<String, Tensor>) -> Result<()> {
+        let (cfg, dtype, device) = {
+            let m = self.read()?;
+            (m.config().clone(), m.dtype(), m.device().clone())
+        };
+        check_tensors(&cfg, tensors).context("update_weights")?;
+        let mut converted = BTreeMap::new();
+        for (name, t) in tensors {
+            // A fresh buffer always: `Var::set` refuses a source that shares the variable's storage.
+            let t = if t.dtype() == dtype && t.device().same_device(&device) {
+                t.copy()?
+            } else {
+                t.to_device(&device)?.to_dtype(dtype)?
+            };
+            converted.insert(name.clone(), t.contiguous()?);
+        }
+        self.set_weights(converted)
+    }
+
+    fn set_weights(&self, tensors: BTreeMap<String, Tensor>) -> Result<()> {
+        let model = self
+            .model
+            .write()
+            .map_err(|_| anyhow!("the engine's model lock is poisoned"))?;
+        for (name, var) in model.named_parameters() {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| anyhow!("internal: checked tensor {name} is missing"))?;
+            var.set(t).with_context(|| format!("setting {name} {:?}", t.dims()))?;
+        }
+        self.weight_version.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, Qwen3>> {
+        self.model
+            .read()
+            .map_err(|_| anyhow!("the engine's model lock is poisoned"))
+    }
+}
+
+/// `eos_token_id` of `dir/generation_config.json` (one id or a list), empty when absent.
+fn generation_config_eos(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let v: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let ids = match v.get("eos_token_id") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+    };
+    Ok(ids)
+}
+
+/// The config fields that weights cannot reveal (or that a checkpoint's tensors can hide, like
+/// an LM head a tied model ignores) must agree between the engine and a checkpoint.
+fn check_same_architecture(have: &Qwen3Config, new: &Qwen3Config) -> Result<()> {
+    let mut diffs = Vec::new();
+    macro_rules! cmp {
+        ($($f:ident),*) => {$(
+            if have.$f != new.$f {
+                diffs.push(format!("{}: engine {:?}, checkpoint {:?}", stringify!($f), have.$f, new.$f));
+            }
+        )*};
+    }
+    cmp!(
+        vocab_size,
+        hidden_size,
+        intermediate_size,
+        num_hidden_layers,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+        rms_norm_eps,
+        rope_theta,
+        tie_word_embeddings,
+        attention_bias
+    );
+    if !diffs.is_empty() {
+        bail!("config.json describes a different model: {}", diffs.join("; "));
+    }
+    Ok(())
+}
+
+fn validate_request(i: usize, r: &GenRequest, cfg: &Qwen3Config) -> Result<()> {
+    let p = &r.params;
+    let n = r.prompt_ids.len();
+    if n == 0 {
+        bail!("request {i}: empty prompt");
+    }
+    if n >= cfg.max_position_embeddings {
+        bail!(
+            "request {i}: prompt of {n} tokens leaves no room under max_position_embeddings {}",
+            cfg.max_position_embeddings
+        );
+    }
+    if let Some(&id) = r.prompt_ids.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+        bail!(
+            "request {i}: prompt token {id} is outside the vocabulary ({} ids)",
+            cfg.vocab_size
+        );
+    }
+    if !(p.temperature.is_finite() && p.temperature >= 0.0) {
+        bail!(
+            "request {i}: temperature must be finite and >= 0, got {}",
+            p.temperature
+        );
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        bail!("request {i}: top_p must be in (0, 1], got {}", p.top_p);
+    }
+    if p.top_k < -1 {
+        bail!(
+            "request {i}: top_k must be -1 (disabled), 0 (disabled) or positive, got {}",
+            p.top_k
+        );
+    }
+    if p.max_tokens == 0 {
+        bail!("request {i}: max_tokens must be at least 1");
+    }
+    Ok(())
+}
+
+/// One request in flight.
+struct Seq {
+    rng: Rng,
+    token_ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    finish: Option<FinishReason>,
+}
+
+impl RolloutEngine for EmbeddedEngine {
+    fn generate(&self, requests: &[GenRequest]) -> Result<Vec<GenOutput>> {
+        let model = self.read()?;
+        let cfg = model.config();
+        for (i, r) in requests.iter().enumerate() {
+            validate_request(i, r, cfg)?;
+        }
+        let mut seqs: Vec<Seq> = {
+            let mut engine_rng = self
+                .rng
+                .lock()
+                .map_err(|_| anyhow!("the engine's generator lock is poisoned"))?;
+            requests
+                .iter()
+                .map(|r| Seq {
+                    rng: Rng::new(r.params.seed.unwrap_or_else(|| engine_rng.next_u64())),
+                    token_ids: Vec::with_capacity(r.params.max_tokens.min(4096)),
+                    logprobs: Vec::with_capacity(r.params.max_tokens.min(4096)),
+                    finish: None,
+                })
+                .collect()
+        };
+        let lm_head = model.lm_head();
+        let chunk = ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096);
+        let mut cache = model.new_kv_cache();
+        let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
+        // Requests with a sampled token still to feed, in admission order; the slot id is the
+        // request index.
+        let mut running: Vec<usize> = Vec::new();
+        loop {
+            let mut budget = self.opts.max_num_batched_tokens.saturating_sub(running.len());
+            let mut admitted = Vec::new();
+            while running.len() + admitted.len() < self.opts.max_num_seqs {
+                let Some(&i) = waiting.front() else { break };
+                let n = requests[i].prompt_ids.len();
+                if n > budget && !(running.is_empty() && admitted.is_empty()) {
+                    break;
+                }
+                budget = budget.saturating_sub(n);
+                admitted.push(i);
+                waiting.pop_front();
+            }
+            let order: Vec<usize> = running.iter().chain(&admitted).copied().collect();
+            if order.is_empty() {
+                break;
+            }
+            let inputs: Vec<(usize, &[u32])> = order
+                .iter()
+                .map(|&i| match seqs[i].token_ids.last() {
+                    Some(_) => (i, &seqs[i].token_ids[seqs[i].token_ids.len() - 1..]),
+                    None => (i, requests[i].prompt_ids.as_slice()),
+                })
+                .collect();
+            let hidden = model.forward_with_cache(&inputs, &mut cache, HiddenRows::Last)?;
+            // As vLLM: the LM head in the model's dtype, the logits widened to f32 for sampling.
+            let logits = hidden.matmul(&lm_head.t()?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let sampled: Arc<[u32]> = order
+                .iter()
+                .zip(&logits)
+                .map(|(&i, row)| sample_token(row, &requests[i].params, &mut seqs[i].rng))
+                .collect();
+            let (lp, _) = logprobs_entropy(&hidden, &lm_head, &sampled, chunk)?;
+            let lp = lp.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            running.clear();
+            for ((&i, &tok), &lp) in order.iter().zip(sampled.iter()).zip(&lp) {
+                let (r, s) = (&requests[i], &mut seqs[i]);
+                s.token_ids.push(tok);
+                s.logprobs.push(lp);
+                s.finish = if r.params.stop_token_ids.contains(&tok) || self.opts.eos_token_ids.contains(&tok) {
+                    Some(FinishReason::Stop)
+                } else if s.token_ids.len() >= r.params.max_tokens
+                    || r.prompt_ids.len() + s.token_ids.len() >= cfg.max_position_embeddings
+                {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+                if s.finish.is_some() {
+                    cache.free(i);
+                } else {
+                    running.push(i);
+                }
+            }
+        }
+        Ok(seqs
+            .into_iter()
+            .map(|s| GenOutput {
+                token_ids: s.token_ids,
+                logprobs: s.logprobs,
+                finish_reason: s.finish.expect("every request runs until it finishes"),
+            })
+            .collect())
+    }
+
+    fn update_weights_from_dir(&self, dir: &Path) -> Result<()> {
+        let (cfg, dtype, device) = {
+            let m = self.read()?;
+            (m.config().clone(), m.dtype(), m.device().clone())
+        };
+        let tensors = load_hf_weights(dir, &cfg, dtype, &device).context("updating the engine's weights")?;
+        if dir.join("config.json").is_file() {
+            let new = load_config(dir)?;
+            check_same_architecture(&cfg, &new).with_context(|| format!("updating weights from {}", dir.display()))?;
+        }
+        self.set_weights(tensors)
+    }
+
+    fn weight_version(&self) -> u64 {
+        self.weight_version.load(Ordering::SeqCst)
+    }
+}
+
+/// Samples one token from `logits` (`[vocab]`, the raw model output) as vLLM does with
+/// `params` (see the module docs), drawing one uniform from `rng` unless greedy.
+pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut Rng) -> u32 {
+    if params.temperature < SAMPLING_EPS {
+        return argmax(logits);
+    }
+    let v = logits.len();
+    let inv_t = 1.0 / params.temperature;
+    // Candidates (scaled logit, id); top-k keeps every token tied with the k-th largest.
+    let mut cand: Vec<(f64, u32)> = match usize::try_from(params.top_k) {
+        Ok(k) if k > 0 && k < v => {
+            let mut sorted: Vec<f32> = logits.to_vec();
+            let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+            let kth = *kth;
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, &z)| z >= kth)
+                .map(|(i, &z)| (z as f64 * inv_t, i as u32))
+                .collect()
+        }
+        _ => logits
+            .iter()
+            .enumerate()
+            .map(|(i, &z)| (z as f64 * inv_t, i as u32))
+            .collect(),
+    };
+    let m = cand.iter().map(|c| c.0).fold(f64::NEG_INFINITY, f64::max);
+    for c in cand.iter_mut() {
+        c.0 = (c.0 - m).exp();
+    }
+    let total: f64 = cand.iter().map(|c| c.0).sum();
+    let mut mass = total;
+    if params.top_p < 1.0 {
+        cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let (mut before, mut keep) = (0.0, 0);
+        for c in &cand {
+            if keep > 0 && before >= params.top_p * total {
+                break;
+            }
+            before += c.0;
+            keep += 1;
+        }
+        cand.truncate(keep);
+        mass = before;
+    }
+    let u = rng.uniform() * mass;
+    let mut acc = 0.0;
+    for c in &cand {
+        acc += c.0;
+        if u < acc {
+            return c.1;
+        }
+    }
+    cand.last().map_or(0, |c| c.1)
+}
+
+/// Index of the first maximum (NaN never wins).
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &z) in x.iter().enumerate() {
+        if z > x[best] || x[best].is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,74 @@
+//! The rollout engine interface and the built-in engine.
+//!
+//! A [`RolloutEngine`] turns prompt token ids into sampled completions with per-token log-probs.
+//! Two implementations: [`embedded::EmbeddedEngine`] (in-process, on the `vime-qwen3` weights, KV
+//! cache on the model's device) and the vLLM client (`crate::vllm`), which speaks HTTP to vLLM or
+//! to `vime-serve`. The trainer sees only this trait.
+//!
+//! Decisions: the interface is synchronous and batch-shaped (a whole rollout batch in, all
+//! completions out, in request order); an engine that is async inside (the HTTP client) runs its
+//! own runtime. Sampling parameters follow vLLM's names and defaults.
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+pub mod embedded;
+
+/// vLLM-style sampling parameters for one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f64,
+    /// 1.0 disables nucleus filtering.
+    pub top_p: f64,
+    /// 0 or negative disables top-k (vLLM uses -1).
+    pub top_k: i64,
+    /// Maximum number of generated tokens (`--rollout-max-response-len`).
+    pub max_tokens: usize,
+    /// Generation stops after any of these ids (the id is kept in the output, as vLLM does for EOS).
+    pub stop_token_ids: Vec<u32>,
+    /// Per-request seed; `None` draws from the engine's own generator.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 1.0, top_p: 1.0, top_k: -1, max_tokens: 16, stop_token_ids: Vec::new(), seed: None }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenRequest {
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token was generated.
+    Stop,
+    /// `max_tokens` (or the model's context) was reached.
+    Length,
+    /// The engine aborted the request (e.g. paused with `mode=abort`).
+    Abort,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenOutput {
+    /// Generated ids only (the prompt is not repeated).
+    pub token_ids: Vec<u32>,
+    /// log p(token_ids[i] | prompt, token_ids[..i]) under the engine's weights, one per token.
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+}
+
+/// What the trainer needs from any rollout engine.
+pub trait RolloutEngine: Send + Sync {
+    /// Generates one completion per request, in request order.
+    fn generate(&self, requests: &[GenRequest]) -> Result<Vec<GenOutput>>;
+    /// Replaces the weights with those of an HF safetensors checkpoint directory.
+    fn update_weights_from_dir(&self, dir: &Path) -> Result<()>;
+    /// Monotone counter bumped by every weight update.
+    fn weight_version(&self) -> u64;
+}
