@@ -8,3 +8,4 @@
 //! - [`vllm`]: the client for vLLM engines (direct or through vllm-router) and the launcher.
 pub mod data;
 pub mod engine;
+pub mod reward;
