@@ -9,3 +9,5 @@
 pub mod data;
 pub mod engine;
 pub mod reward;
+pub mod serve;
+pub mod vllm;

@@ -493,4 +493,3 @@ fn flags_keep_slimes_names_and_defaults() {
         }
     );
 }
-

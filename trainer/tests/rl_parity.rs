@@ -392,7 +392,10 @@ fn rl_args_follow_slime_flags_and_defaults() {
     let empty: RlArgs = serde_json::from_str("{}").unwrap();
     assert_eq!(empty, d, "serde defaults must equal RlArgs::default()");
     let warm = Cli::parse_from(["vime", "--num-critic-only-steps", "2"]).rl;
-    assert_eq!((0..4).map(|r| warm.train_actor(r)).collect::<Vec<_>>(), [false, false, true, true]);
+    assert_eq!(
+        (0..4).map(|r| warm.train_actor(r)).collect::<Vec<_>>(),
+        [false, false, true, true]
+    );
     assert!(d.train_actor(0), "no critic-only warm-up by default");
 
     let a = Cli::parse_from([

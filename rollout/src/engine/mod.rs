@@ -33,7 +33,14 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { temperature: 1.0, top_p: 1.0, top_k: -1, max_tokens: 16, stop_token_ids: Vec::new(), seed: None }
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: -1,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            seed: None,
+        }
     }
 }
 

@@ -1,0 +1,172 @@
+//! `vime-serve`: the built-in engine behind vLLM 0.33's HTTP API subset (see `vime_rollout::serve`).
+//!
+//! Takes `vllm serve`'s argument shape too (`vime-serve MODEL --port P --tensor-parallel-size 1
+//! --gpu-memory-utilization X --enable-sleep-mode --worker-extension-cls CLS`), so the vLLM launcher
+//! can start it in vLLM's place; the GPU-memory, sleep-mode and worker-extension flags are accepted
+//! and have no effect here (sleep endpoints are always on, weights stay where they are).
+//!
+//! EOS is handled per request by the server (vLLM's `ignore_eos`), so the engine is built without
+//! engine-wide EOS ids.
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::Parser;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use vime_qwen3::config::{dtype_from_hf_name, Qwen3Config};
+use vime_qwen3::model::Qwen3;
+use vime_rollout::engine::embedded::{EmbeddedEngine, EngineOptions};
+use vime_rollout::engine::RolloutEngine;
+use vime_rollout::serve::{self, ServeConfig};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "vime-serve",
+    about = "vime's built-in engine behind vLLM's HTTP API (completions, pause, weights)"
+)]
+struct Args {
+    /// HF checkpoint directory (as `vllm serve MODEL`); same as --hf-checkpoint.
+    model: Option<PathBuf>,
+    /// HF checkpoint directory (config.json + safetensors; tokenizer.json optional).
+    #[arg(long)]
+    hf_checkpoint: Option<PathBuf>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// auto (the checkpoint's dtype), bfloat16, float16 or float32.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Model id in /v1/models and responses (default: the checkpoint path as given).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Tokens per engine step at most.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Seed of the engine's generator (requests without a seed draw from it).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Milliseconds a request waits for others to share its engine call.
+    #[arg(long, default_value_t = 5)]
+    batch_window_ms: u64,
+    /// Requests per engine call at most.
+    #[arg(long, default_value_t = 256)]
+    max_batch_size: usize,
+    /// vLLM compatibility: only 1 is supported.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel_size: usize,
+    /// vLLM compatibility: accepted, no effect.
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
+    /// vLLM compatibility: accepted, no effect (sleep endpoints are always on).
+    #[arg(long)]
+    enable_sleep_mode: bool,
+    /// vLLM compatibility: accepted, no effect.
+    #[arg(long)]
+    worker_extension_cls: Option<String>,
+}
+
+fn parse_device(s: &str) -> Result<Device> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Device::new_cuda(0).context("opening cuda:0 (built without the `cuda` feature?)"),
+        _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(i)) => {
+                Device::new_cuda(i).with_context(|| format!("opening {s} (built without the `cuda` feature?)"))
+            }
+            _ => bail!("--device must be cpu, cuda or cuda:N, got {s:?}"),
+        },
+    }
+}
+
+fn parse_dtype(s: &str, cfg: &Qwen3Config) -> Result<DType> {
+    match s {
+        "auto" => cfg.candle_dtype(),
+        "bf16" => Ok(DType::BF16),
+        "fp16" | "half" => Ok(DType::F16),
+        "fp32" | "float" => Ok(DType::F32),
+        other => dtype_from_hf_name(other).context("--dtype"),
+    }
+}
+
+/// The engine vime-serve runs: the built-in engine on the checkpoint, EOS left to the server.
+fn build_engine(
+    dir: &std::path::Path,
+    dtype: DType,
+    device: &Device,
+    opts: EngineOptions,
+) -> Result<Arc<dyn RolloutEngine>> {
+    let model = Qwen3::load_hf(dir, dtype, device).with_context(|| format!("loading {}", dir.display()))?;
+    Ok(Arc::new(EmbeddedEngine::new(model, opts)?))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let dir = match (&args.model, &args.hf_checkpoint) {
+        (Some(a), Some(b)) if a != b => bail!("MODEL {} and --hf-checkpoint {} disagree", a.display(), b.display()),
+        (Some(d), _) | (None, Some(d)) => d.clone(),
+        (None, None) => bail!("give the HF checkpoint directory (MODEL or --hf-checkpoint)"),
+    };
+    if args.tensor_parallel_size != 1 {
+        bail!(
+            "vime-serve runs one device per engine; --tensor-parallel-size {} is not supported",
+            args.tensor_parallel_size
+        );
+    }
+    if let Some(cls) = &args.worker_extension_cls {
+        eprintln!(
+            "vime-serve: --worker-extension-cls {cls} ignored (weights update through /collective_rpc reload_weights)"
+        );
+    }
+    let cfg = Qwen3Config::from_file(&dir.join("config.json"))?;
+    let device = parse_device(&args.device)?;
+    let dtype = parse_dtype(&args.dtype, &cfg)?;
+    let mut serve_cfg = ServeConfig::from_hf_dir(&dir, args.served_model_name.clone())?;
+    serve_cfg.batch_window = Duration::from_millis(args.batch_window_ms);
+    serve_cfg.max_batch_size = args.max_batch_size;
+    let opts = EngineOptions {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        eos_token_ids: Vec::new(),
+        seed: args.seed,
+    };
+    let engine = {
+        let (dir, device) = (dir.clone(), device.clone());
+        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts)).await??
+    };
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    eprintln!(
+        "vime-serve: {} ({:?} on {:?}) listening on http://{addr}",
+        serve_cfg.served_model_name, dtype, args.device
+    );
+    serve::serve(listener, engine, serve_cfg, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("vime-serve: shutting down");
+}

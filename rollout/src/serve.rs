@@ -1,0 +1,1163 @@
+//! `vime-serve`: any [`RolloutEngine`] behind the subset of vLLM 0.33's HTTP API that RL rollouts use,
+//! so the vLLM client ([`crate::vllm`]), vllm-router and slime-style scripts drive it like `vllm serve`.
+//!
+//! Shapes follow vLLM 0.33.0's own definitions (wheel `vllm-0.33.0`, paths under `vllm/`):
+//! - `POST /v1/completions`: `entrypoints/openai/completion/protocol.py` (`CompletionRequest`,
+//!   `CompletionResponse`, `CompletionResponseChoice`, `CompletionLogProbs`) and
+//!   `entrypoints/openai/completion/serving.py` (`request_output_to_completion_response`,
+//!   `_create_completion_logprobs`: `top_logprobs` keeps `logprobs + 1` entries, logprobs clamped at
+//!   -9999.0, one choice per prompt x `n` with `index = len(choices)`, usage counts each prompt once).
+//!   `UsageInfo`, `ErrorResponse {error: {message, type, param, code}}`, `ModelCard`:
+//!   `entrypoints/serve/engine/protocol.py`; error types/codes: `entrypoints/serve/exception_handling/
+//!   error_response.py`. Defaults: `max_tokens` 16, `temperature` 1, `top_p` 1, `top_k` 0 (off);
+//!   limits from `sampling_params.py` (`temperature` in [0, 2], `top_p` in (0, 1], `top_k >= -1`).
+//! - `POST /pause?mode=abort|wait|keep[&clear_cache=]`, `POST /resume`, `GET /is_paused`:
+//!   `entrypoints/rl/online/api_router.py` and `v1/engine/core.py` (`pause_scheduler`,
+//!   `_reject_add_while_paused`): `abort` finishes queued requests with `finish_reason: "abort"`;
+//!   `wait` lets admitted requests finish; both reject NEW requests with 503 `ServiceUnavailableError`
+//!   "Generation is paused. Please retry after it resumes." until `/resume`; `keep` accepts and holds
+//!   new requests until `/resume`. `/pause` returns `{"status": "paused"}` once the engine is idle.
+//! - `POST /sleep?level=0..2&mode=`, `POST /wake_up?tags=weights&tags=kv_cache`, `GET /is_sleeping`:
+//!   `entrypoints/serve/dev/sleep/api_router.py` (query params, not JSON) and `v1/engine/core.py`
+//!   (`sleep`, `wake_up`): sleep pauses with `mode`; level >= 1 puts the tags `weights` and `kv_cache`
+//!   to sleep (vime-serve keeps its weights where they are, no offload); `wake_up` resumes once no
+//!   tag sleeps (no tags = all; `scheduling` is the level-0 tag), as vLLM does.
+//! - `POST /reset_prefix_cache` (`entrypoints/serve/dev/cache/api_router.py`): no prefix cache here,
+//!   answers `{"success": true}`.
+//! - Weights from disk: vLLM 0.33 has no `update_weights_from_disk` route; its disk reload is
+//!   `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`
+//!   (`entrypoints/serve/dev/rpc/api_router.py` -> `v1/worker/gpu_model_runner.py::reload_weights`,
+//!   answer `{"results": [null, ...]}`, one per worker). vime-serve implements exactly that method
+//!   (one "worker") and 400s any other. `GET /weight_info` -> `{"weight_version": str}` and
+//!   `POST /update_weight_version {"new_version": str}` follow `entrypoints/rl/online/api_router.py`.
+//! - `GET /health` (empty 200, `entrypoints/serve/instrumentator/health.py`), `GET /v1/models`
+//!   (`entrypoints/openai/models/serving.py`).
+//!
+//! Decisions:
+//! - One batcher task owns all scheduling state (queue, pause mode, the running engine call), so
+//!   pause/resume/reload are ordered against generation without locks. Requests arriving within
+//!   `batch_window` of the oldest queued one go into one `engine.generate` call on a blocking thread.
+//!   A weight reload runs alone, between batches.
+//! - The engine call is not preemptible: `/pause?mode=abort` aborts what is queued, lets a batch that
+//!   is already inside `engine.generate` finish (its completions are returned as they finished) and
+//!   answers once the engine is idle, which is the guarantee a weight update needs.
+//! - `logprobs=N`: the engine reports the sampled token's log-prob only, so `top_logprobs` holds that
+//!   one entry whatever `N` is. `text` and per-token strings are decoded when the checkpoint has a
+//!   `tokenizer.json`; otherwise `text` is "" and tokens are spelled `token_id:ID` (vLLM's
+//!   `return_tokens_as_token_ids` form). String prompts need the tokenizer.
+//! - Features the engine cannot honour (streaming, beam search, echo, stop strings, penalties,
+//!   logit bias, min_p, min_tokens, prompt logprobs, ...) are 400s naming the field, never ignored.
+//! - The dev endpoints (`/pause`, `/sleep`, `/collective_rpc`, ...) are always on; vLLM needs
+//!   `VLLM_SERVER_DEV_MODE=1` for them. The binary binds 127.0.0.1 unless told otherwise.
+use crate::engine::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::{RawQuery, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+use std::collections::{BTreeSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// vLLM's `PauseMode` (`v1/engine/__init__.py`): `Literal["abort", "wait", "keep"]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseMode {
+    /// Abort queued requests, reject new ones with 503 until resume (vLLM's default).
+    Abort,
+    /// Let admitted requests finish, reject new ones with 503 until resume.
+    Wait,
+    /// Hold queued and new requests; they run after resume.
+    Keep,
+}
+
+impl PauseMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseMode::Abort => "abort",
+            PauseMode::Wait => "wait",
+            PauseMode::Keep => "keep",
+        }
+    }
+}
+
+impl std::str::FromStr for PauseMode {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "abort" => Ok(PauseMode::Abort),
+            "wait" => Ok(PauseMode::Wait),
+            "keep" => Ok(PauseMode::Keep),
+            _ => anyhow::bail!("pause mode must be one of abort, wait, keep; got {s:?}"),
+        }
+    }
+}
+
+/// What the server says about its model and how it batches.
+#[derive(Clone)]
+pub struct ServeConfig {
+    /// `id` in `/v1/models` and `model` in responses (vLLM: `--served-model-name`, else `--model`).
+    pub served_model_name: String,
+    /// `root` in `/v1/models`.
+    pub model_path: String,
+    /// Prompt + completion limit (vLLM's `max_model_len`; default `max_position_embeddings`).
+    pub max_model_len: usize,
+    /// Prompt ids must be below this.
+    pub vocab_size: usize,
+    /// Added to every request's stop ids unless `ignore_eos` (vLLM stops at EOS by default).
+    pub eos_token_ids: Vec<u32>,
+    pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    /// How long the oldest queued request waits for others to join its engine call.
+    pub batch_window: Duration,
+    /// Most requests (prompts x n) per engine call; one larger HTTP request still runs whole.
+    pub max_batch_size: usize,
+}
+
+impl ServeConfig {
+    /// Reads `config.json` (and `generation_config.json`, `tokenizer.json` when present) of an HF
+    /// checkpoint directory.
+    pub fn from_hf_dir(dir: &Path, served_model_name: Option<String>) -> Result<Self> {
+        let cfg = vime_qwen3::config::Qwen3Config::from_file(&dir.join("config.json"))
+            .with_context(|| format!("reading {}", dir.join("config.json").display()))?;
+        let mut eos: Vec<u32> = cfg.eos_token_id.as_ref().map(|t| t.to_vec()).unwrap_or_default();
+        let gen_cfg = dir.join("generation_config.json");
+        if gen_cfg.exists() {
+            let text = std::fs::read_to_string(&gen_cfg).with_context(|| format!("reading {}", gen_cfg.display()))?;
+            let v: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", gen_cfg.display()))?;
+            match v.get("eos_token_id") {
+                Some(Value::Number(n)) => eos.extend(n.as_u64().map(|x| x as u32)),
+                Some(Value::Array(a)) => eos.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+                _ => {}
+            }
+        }
+        eos.sort_unstable();
+        eos.dedup();
+        let tok_path = dir.join("tokenizer.json");
+        let tokenizer = if tok_path.exists() {
+            let t = tokenizers::Tokenizer::from_file(&tok_path)
+                .map_err(|e| anyhow::anyhow!("loading {}: {e}", tok_path.display()))?;
+            Some(Arc::new(t))
+        } else {
+            None
+        };
+        let path = dir.display().to_string();
+        Ok(Self {
+            served_model_name: served_model_name.unwrap_or_else(|| path.clone()),
+            model_path: path,
+            max_model_len: cfg.max_position_embeddings,
+            vocab_size: cfg.vocab_size,
+            eos_token_ids: eos,
+            tokenizer,
+            batch_window: Duration::from_millis(5),
+            max_batch_size: 256,
+        })
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Errors in vLLM's shape.
+
+/// `ErrorResponse` of `entrypoints/serve/engine/protocol.py`.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub err_type: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    fn bad_request(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            err_type: "BadRequestError",
+            message: message.into(),
+            param: param.map(str::to_string),
+        }
+    }
+    fn not_found(message: impl Into<String>, param: Option<&str>) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            err_type: "NotFoundError",
+            message: message.into(),
+            param: param.map(str::to_string),
+        }
+    }
+    fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            err_type: "InternalServerError",
+            message: message.into(),
+            param: None,
+        }
+    }
+    fn paused() -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            err_type: "ServiceUnavailableError",
+            message: "Generation is paused. Please retry after it resumes.".into(),
+            param: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {
+            "message": self.message,
+            "type": self.err_type,
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The batcher: the one owner of the queue, the pause state and the engine.
+
+enum JobError {
+    Paused,
+    Engine(String),
+}
+
+struct GenJob {
+    requests: Vec<GenRequest>,
+    arrived: Instant,
+    /// Completions and the weight-version label they were sampled under.
+    reply: oneshot::Sender<Result<(Vec<GenOutput>, String), JobError>>,
+}
+
+enum Msg {
+    Generate(GenJob),
+    Pause {
+        mode: PauseMode,
+        done: oneshot::Sender<()>,
+    },
+    Resume {
+        done: oneshot::Sender<()>,
+    },
+    Reload {
+        dir: PathBuf,
+        done: oneshot::Sender<Result<u64, String>>,
+    },
+}
+
+enum Outcome {
+    Generated(Result<Vec<GenOutput>>),
+    Reloaded(Result<()>),
+}
+
+enum RunMeta {
+    Generate(Vec<GenJob>),
+    Reload(oneshot::Sender<Result<u64, String>>),
+}
+
+struct Batcher {
+    engine: Arc<dyn RolloutEngine>,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    shared: Arc<Shared>,
+    window: Duration,
+    max_batch: usize,
+    queue: VecDeque<GenJob>,
+    reloads: VecDeque<(PathBuf, oneshot::Sender<Result<u64, String>>)>,
+    running: Option<(JoinHandle<Outcome>, RunMeta)>,
+    paused: Option<PauseMode>,
+    pause_waiters: Vec<oneshot::Sender<()>>,
+}
+
+impl Batcher {
+    fn may_start_generation(&self) -> bool {
+        matches!(self.paused, None | Some(PauseMode::Wait))
+    }
+
+    fn set_paused(&mut self, p: Option<PauseMode>) {
+        self.paused = p;
+        *self.shared.paused.lock().unwrap() = p;
+    }
+
+    async fn run(mut self) {
+        loop {
+            if self.running.is_none() {
+                if let Some((dir, done)) = self.reloads.pop_front() {
+                    let engine = self.engine.clone();
+                    let h =
+                        tokio::task::spawn_blocking(move || Outcome::Reloaded(engine.update_weights_from_dir(&dir)));
+                    self.running = Some((h, RunMeta::Reload(done)));
+                } else if self.may_start_generation() {
+                    self.queue.retain(|j| !j.reply.is_closed());
+                    let queued: usize = self.queue.iter().map(|j| j.requests.len()).sum();
+                    let due = self.queue.front().is_some_and(|j| j.arrived.elapsed() >= self.window);
+                    if queued > 0 && (due || queued >= self.max_batch) {
+                        self.start_batch();
+                    }
+                }
+            }
+            if self.running.is_none() && !self.pause_waiters.is_empty() {
+                let drained = self.paused != Some(PauseMode::Wait) || self.queue.is_empty();
+                if drained {
+                    for w in self.pause_waiters.drain(..) {
+                        let _ = w.send(());
+                    }
+                }
+            }
+            let wake_at = match (&self.running, self.queue.front()) {
+                (None, Some(j)) if self.may_start_generation() => Some(j.arrived + self.window),
+                _ => None,
+            };
+            tokio::select! {
+                msg = self.rx.recv() => match msg {
+                    None => break,
+                    Some(m) => self.handle(m),
+                },
+                out = async { (&mut self.running.as_mut().unwrap().0).await }, if self.running.is_some() => {
+                    let (_, meta) = self.running.take().unwrap();
+                    self.finish(out, meta);
+                }
+                _ = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now).into()), if wake_at.is_some() => {}
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Generate(job) => match self.paused {
+                Some(PauseMode::Abort | PauseMode::Wait) => {
+                    let _ = job.reply.send(Err(JobError::Paused));
+                }
+                _ => self.queue.push_back(job),
+            },
+            Msg::Pause { mode, done } => {
+                self.set_paused(Some(mode));
+                if mode == PauseMode::Abort {
+                    for job in self.queue.drain(..) {
+                        let aborted = job
+                            .requests
+                            .iter()
+                            .map(|_| GenOutput {
+                                token_ids: vec![],
+                                logprobs: vec![],
+                                finish_reason: FinishReason::Abort,
+                            })
+                            .collect();
+                        let _ = job.reply.send(Ok((aborted, self.shared.version_label())));
+                    }
+                }
+                self.pause_waiters.push(done);
+            }
+            Msg::Resume { done } => {
+                self.set_paused(None);
+                for w in self.pause_waiters.drain(..) {
+                    let _ = w.send(());
+                }
+                let _ = done.send(());
+            }
+            Msg::Reload { dir, done } => self.reloads.push_back((dir, done)),
+        }
+    }
+
+    fn start_batch(&mut self) {
+        let mut jobs = Vec::new();
+        let mut n = 0;
+        while let Some(j) = self.queue.front() {
+            if !jobs.is_empty() && n + j.requests.len() > self.max_batch {
+                break;
+            }
+            n += j.requests.len();
+            jobs.push(self.queue.pop_front().unwrap());
+        }
+        let requests: Vec<GenRequest> = jobs.iter().flat_map(|j| j.requests.iter().cloned()).collect();
+        let engine = self.engine.clone();
+        let h = tokio::task::spawn_blocking(move || Outcome::Generated(engine.generate(&requests)));
+        self.running = Some((h, RunMeta::Generate(jobs)));
+    }
+
+    fn finish(&mut self, out: Result<Outcome, tokio::task::JoinError>, meta: RunMeta) {
+        match (out, meta) {
+            (Ok(Outcome::Generated(res)), RunMeta::Generate(jobs)) => {
+                let expected: usize = jobs.iter().map(|j| j.requests.len()).sum();
+                let res = res
+                    .map_err(|e| format!("engine.generate failed: {e:#}"))
+                    .and_then(|outs| {
+                        if outs.len() == expected {
+                            Ok(outs)
+                        } else {
+                            Err(format!(
+                                "engine returned {} completions for {expected} requests",
+                                outs.len()
+                            ))
+                        }
+                    });
+                match res {
+                    Ok(outs) => {
+                        let version = self.shared.version_label();
+                        let mut outs = outs.into_iter();
+                        for job in jobs {
+                            let mine: Vec<GenOutput> = outs.by_ref().take(job.requests.len()).collect();
+                            let _ = job.reply.send(Ok((mine, version.clone())));
+                        }
+                    }
+                    Err(msg) => {
+                        eprintln!("vime-serve: {msg}");
+                        for job in jobs {
+                            let _ = job.reply.send(Err(JobError::Engine(msg.clone())));
+                        }
+                    }
+                }
+            }
+            (Ok(Outcome::Reloaded(res)), RunMeta::Reload(done)) => {
+                if res.is_ok() {
+                    *self.shared.weight_label.lock().unwrap() = None;
+                }
+                let _ = done.send(res.map(|_| self.engine.weight_version()).map_err(|e| format!("{e:#}")));
+            }
+            (Err(join), RunMeta::Generate(jobs)) => {
+                let msg = format!("engine.generate panicked: {join}");
+                eprintln!("vime-serve: {msg}");
+                for job in jobs {
+                    let _ = job.reply.send(Err(JobError::Engine(msg.clone())));
+                }
+            }
+            (Err(join), RunMeta::Reload(done)) => {
+                let _ = done.send(Err(format!("weight reload panicked: {join}")));
+            }
+            _ => unreachable!("outcome and run metadata always match"),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Server state and routes.
+
+struct Shared {
+    engine: Arc<dyn RolloutEngine>,
+    cfg: ServeConfig,
+    tx: mpsc::UnboundedSender<Msg>,
+    paused: Mutex<Option<PauseMode>>,
+    /// Set by `/update_weight_version`, cleared by a reload (then the engine's counter shows).
+    weight_label: Mutex<Option<String>>,
+    /// Tags put to sleep by `/sleep` and not yet woken (vLLM's `sleeping_tags`).
+    sleeping: Mutex<Option<BTreeSet<String>>>,
+    created: u64,
+}
+
+impl Shared {
+    /// `/update_weight_version`'s label, else the engine's counter.
+    fn version_label(&self) -> String {
+        let label = self.weight_label.lock().unwrap().clone();
+        label.unwrap_or_else(|| self.engine.weight_version().to_string())
+    }
+
+    async fn send<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Msg) -> Result<T, ApiError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(make(tx))
+            .map_err(|_| ApiError::internal("the vime-serve batcher has stopped"))?;
+        rx.await
+            .map_err(|_| ApiError::internal("the vime-serve batcher has stopped"))
+    }
+}
+
+type AppState = Arc<Shared>;
+
+/// Builds the axum app and starts its batcher task (call inside a tokio runtime).
+pub fn app(engine: Arc<dyn RolloutEngine>, cfg: ServeConfig) -> Router {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        engine: engine.clone(),
+        cfg: cfg.clone(),
+        tx,
+        paused: Mutex::new(None),
+        weight_label: Mutex::new(None),
+        sleeping: Mutex::new(None),
+        created: unix_now(),
+    });
+    let batcher = Batcher {
+        engine,
+        rx,
+        shared: shared.clone(),
+        window: cfg.batch_window,
+        max_batch: cfg.max_batch_size.max(1),
+        queue: VecDeque::new(),
+        reloads: VecDeque::new(),
+        running: None,
+        paused: None,
+        pause_waiters: Vec::new(),
+    };
+    tokio::spawn(batcher.run());
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/pause", post(pause))
+        .route("/resume", post(resume))
+        .route("/is_paused", get(is_paused))
+        .route("/sleep", post(sleep))
+        .route("/wake_up", post(wake_up))
+        .route("/is_sleeping", get(is_sleeping))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/collective_rpc", post(collective_rpc))
+        .route("/weight_info", get(weight_info))
+        .route("/update_weight_version", post(update_weight_version))
+        .with_state(shared)
+}
+
+/// Serves `app(engine, cfg)` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    engine: Arc<dyn RolloutEngine>,
+    cfg: ServeConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let app = app(engine, cfg);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("vime-serve HTTP server failed")
+}
+
+async fn health(State(s): State<AppState>) -> Response {
+    if s.tx.is_closed() {
+        StatusCode::SERVICE_UNAVAILABLE.into_response()
+    } else {
+        StatusCode::OK.into_response()
+    }
+}
+
+async fn models(State(s): State<AppState>) -> Response {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.cfg.served_model_name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "vllm",
+            "root": s.cfg.model_path,
+            "parent": null,
+            "max_model_len": s.cfg.max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{}", random_hex()),
+                "object": "model_permission",
+                "created": s.created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
+        }],
+    }))
+    .into_response()
+}
+
+/// Query string pairs, percent-decoded, repeated keys kept (`tags=a&tags=b`).
+fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
+    let Some(q) = q else { return vec![] };
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() && hex(b[i + 1]).is_some() && hex(b[i + 2]).is_some() => {
+                out.push((hex(b[i + 1]).unwrap() * 16 + hex(b[i + 2]).unwrap()) as u8);
+                i += 2;
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query_one(pairs: &[(String, String)], key: &str) -> Option<String> {
+    pairs.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+}
+
+fn parse_mode(pairs: &[(String, String)]) -> Result<PauseMode, ApiError> {
+    match query_one(pairs, "mode") {
+        None => Ok(PauseMode::Abort),
+        Some(m) => m
+            .parse()
+            .map_err(|e: anyhow::Error| ApiError::bad_request(e.to_string(), Some("mode"))),
+    }
+}
+
+async fn pause(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
+    let pairs = query_pairs(&q);
+    let mode = match parse_mode(&pairs) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    match s.send(|done| Msg::Pause { mode, done }).await {
+        Ok(()) => Json(json!({"status": "paused"})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn resume(State(s): State<AppState>) -> Response {
+    match s.send(|done| Msg::Resume { done }).await {
+        Ok(()) => Json(json!({"status": "resumed"})).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn is_paused(State(s): State<AppState>) -> Response {
+    let p = s.paused.lock().unwrap().is_some();
+    Json(json!({"is_paused": p})).into_response()
+}
+
+const SLEEP_TAGS: [&str; 2] = ["weights", "kv_cache"];
+
+async fn sleep(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
+    let pairs = query_pairs(&q);
+    let level = match query_one(&pairs, "level").map(|l| l.parse::<u32>()) {
+        None => 1,
+        Some(Ok(l)) if l <= 2 => l,
+        Some(_) => return ApiError::bad_request("level must be an integer in [0, 2]", Some("level")).into_response(),
+    };
+    let mode = match parse_mode(&pairs) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    if let Err(e) = s.send(|done| Msg::Pause { mode, done }).await {
+        return e.into_response();
+    }
+    // Level 0 pauses scheduling only; nothing is asleep (vLLM's `is_sleeping` stays false).
+    if level >= 1 {
+        *s.sleeping.lock().unwrap() = Some(SLEEP_TAGS.iter().map(|t| t.to_string()).collect());
+    }
+    Json(json!({"status": "sleeping", "level": level})).into_response()
+}
+
+async fn wake_up(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
+    let tags: Vec<String> = query_pairs(&q)
+        .into_iter()
+        .filter(|(k, _)| k == "tags")
+        .map(|(_, v)| v)
+        .collect();
+    let fully_awake = {
+        let mut sleeping = s.sleeping.lock().unwrap();
+        match sleeping.as_mut() {
+            None => true,
+            Some(set) => {
+                if tags.is_empty() {
+                    set.clear();
+                } else {
+                    // "scheduling" is vLLM's level-0 tag: nothing to wake for it.
+                    for t in tags.iter().filter(|t| *t != "scheduling") {
+                        if !set.remove(t) {
+                            eprintln!("vime-serve: wake_up tag {t:?} is not in sleeping tags {set:?}");
+                        }
+                    }
+                }
+                if set.is_empty() {
+                    *sleeping = None;
+                    true
+                } else {
+                    false
+                }
+            }
+        }
+    };
+    if fully_awake {
+        if let Err(e) = s.send(|done| Msg::Resume { done }).await {
+            return e.into_response();
+        }
+    }
+    let tags = if tags.is_empty() { Value::Null } else { json!(tags) };
+    Json(json!({"status": if fully_awake { "awake" } else { "sleeping" }, "tags": tags})).into_response()
+}
+
+async fn is_sleeping(State(s): State<AppState>) -> Response {
+    let sleeping = s.sleeping.lock().unwrap().is_some();
+    Json(json!({"is_sleeping": sleeping})).into_response()
+}
+
+async fn reset_prefix_cache() -> Response {
+    Json(json!({"success": true})).into_response()
+}
+
+async fn collective_rpc(State(s): State<AppState>, body: Bytes) -> Response {
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return ApiError::bad_request(format!("JSON decode error: {e}"), None).into_response(),
+    };
+    let Some(obj) = body.as_object() else {
+        return ApiError::bad_request("Request body must be a JSON object", None).into_response();
+    };
+    let method = match obj.get("method") {
+        Some(Value::String(m)) => m.as_str(),
+        _ => return ApiError::bad_request("Missing 'method' in request body", None).into_response(),
+    };
+    if method != "reload_weights" {
+        return ApiError::bad_request(
+            format!("vime-serve implements collective_rpc method \"reload_weights\" only, got {method:?}"),
+            Some("method"),
+        )
+        .into_response();
+    }
+    let path = obj
+        .get("kwargs")
+        .and_then(|k| k.get("weights_path"))
+        .or_else(|| obj.get("args").and_then(|a| a.get(1)))
+        .and_then(|p| p.as_str());
+    let Some(path) = path else {
+        return ApiError::bad_request(
+            "reload_weights needs kwargs.weights_path (an HF safetensors directory); vime-serve cannot \
+             reload from the original path",
+            Some("kwargs"),
+        )
+        .into_response();
+    };
+    let dir = PathBuf::from(path);
+    if !dir.is_dir() {
+        return ApiError::bad_request(format!("weights_path {path:?} is not a directory"), Some("kwargs"))
+            .into_response();
+    }
+    match s.send(|done| Msg::Reload { dir, done }).await {
+        Ok(Ok(version)) => {
+            eprintln!("vime-serve: reloaded weights from {path}, weight_version {version}");
+            Json(json!({"results": [null]})).into_response()
+        }
+        Ok(Err(msg)) => ApiError::internal(format!("reload_weights from {path} failed: {msg}")).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn weight_info(State(s): State<AppState>) -> Response {
+    Json(json!({"weight_version": s.version_label()})).into_response()
+}
+
+async fn update_weight_version(State(s): State<AppState>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return ApiError::bad_request(format!("JSON decode error: {e}"), None).into_response(),
+    };
+    let Some(new_version) = v.get("new_version").and_then(|x| x.as_str()) else {
+        return ApiError::bad_request("body must be {\"new_version\": string}", Some("new_version")).into_response();
+    };
+    *s.weight_label.lock().unwrap() = Some(new_version.to_string());
+    Json(json!({"success": true, "new_version": new_version})).into_response()
+}
+
+// ------------------------------------------------------------------------------------------------
+// /v1/completions
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Ids(Vec<i64>),
+    Batch(Vec<Vec<i64>>),
+    Text(String),
+    Texts(Vec<String>),
+}
+
+/// The fields of vLLM's `CompletionRequest` that vime-serve reads; every other known field must be
+/// absent, null or at its default (checked in [`reject_unsupported`]); unknown extra fields are
+/// ignored as vLLM ignores them.
+#[derive(Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    prompt: Option<PromptField>,
+    max_tokens: Option<i64>,
+    n: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    logprobs: Option<i64>,
+    stop_token_ids: Option<Vec<i64>>,
+    ignore_eos: Option<bool>,
+    skip_special_tokens: Option<bool>,
+    return_token_ids: Option<bool>,
+    return_tokens_as_token_ids: Option<bool>,
+    return_weight_versions: Option<bool>,
+    add_special_tokens: Option<bool>,
+    request_id: Option<String>,
+    #[serde(flatten)]
+    extra: Map<String, Value>,
+}
+
+/// `(field, value it may take)`: anything else is a 400.
+fn reject_unsupported(extra: &Map<String, Value>) -> Result<(), ApiError> {
+    let ok = |name: &str, v: &Value| -> bool {
+        match name {
+            "stream" | "echo" | "use_beam_search" => matches!(v, Value::Null | Value::Bool(false)),
+            "stop" => match v {
+                Value::Null => true,
+                Value::String(s) => s.is_empty(),
+                Value::Array(a) => a.is_empty(),
+                _ => false,
+            },
+            "frequency_penalty" | "presence_penalty" | "min_p" => v.is_null() || v.as_f64() == Some(0.0),
+            "repetition_penalty" | "length_penalty" => v.is_null() || v.as_f64() == Some(1.0),
+            "min_tokens" => v.is_null() || v.as_i64() == Some(0),
+            "logit_bias"
+            | "allowed_token_ids"
+            | "logprob_token_ids"
+            | "prompt_logprobs"
+            | "suffix"
+            | "response_format"
+            | "structured_outputs"
+            | "prompt_embeds"
+            | "truncate_prompt_tokens"
+            | "stream_options"
+            | "thinking_token_budget"
+            | "repetition_detection"
+            | "kv_transfer_params" => v.is_null(),
+            "bad_words" => v.is_null() || v.as_array().is_some_and(|a| a.is_empty()),
+            _ => true,
+        }
+    };
+    for (k, v) in extra {
+        if !ok(k, v) {
+            return Err(ApiError::bad_request(
+                format!("`{k}` = {v} is not supported by vime-serve"),
+                Some(k),
+            ));
+        }
+    }
+    Ok(())
+}
+
+struct Parsed {
+    prompts: Vec<Vec<u32>>,
+    n: usize,
+    params: Vec<SamplingParams>,
+    /// Stop ids the user asked for (for `stop_reason`), without the EOS ids we add.
+    user_stops: Vec<u32>,
+    logprobs: Option<i64>,
+    return_token_ids: bool,
+    as_token_ids: bool,
+    skip_special_tokens: bool,
+    return_weight_versions: bool,
+    request_id: Option<String>,
+}
+
+fn parse_completion(cfg: &ServeConfig, body: &[u8]) -> Result<Parsed, ApiError> {
+    let req: CompletionRequest =
+        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))?;
+    reject_unsupported(&req.extra)?;
+    if let Some(m) = &req.model {
+        if !m.is_empty() && *m != cfg.served_model_name {
+            return Err(ApiError::not_found(
+                format!(
+                    "The model `{m}` does not exist. Valid aliases: {}.",
+                    cfg.served_model_name
+                ),
+                Some("model"),
+            ));
+        }
+    }
+    let add_special = req.add_special_tokens.unwrap_or(true);
+    let encode = |text: &str| -> Result<Vec<i64>, ApiError> {
+        let tok = cfg.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::bad_request(
+                "text prompts need a tokenizer.json in the checkpoint; send token ids instead",
+                Some("prompt"),
+            )
+        })?;
+        let enc = tok
+            .encode(text, add_special)
+            .map_err(|e| ApiError::bad_request(format!("tokenizing the prompt failed: {e}"), Some("prompt")))?;
+        Ok(enc.get_ids().iter().map(|&x| x as i64).collect())
+    };
+    let raw: Vec<Vec<i64>> = match req.prompt {
+        None => {
+            return Err(ApiError::bad_request(
+                "Either prompt or prompt_embeds must be provided and non-empty.",
+                Some("prompt"),
+            ))
+        }
+        Some(PromptField::Ids(ids)) => vec![ids],
+        Some(PromptField::Batch(b)) => b,
+        Some(PromptField::Text(t)) => vec![encode(&t)?],
+        Some(PromptField::Texts(ts)) => ts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
+    };
+    if raw.is_empty() {
+        return Err(ApiError::bad_request(
+            "prompt must hold at least one prompt",
+            Some("prompt"),
+        ));
+    }
+    let mut prompts = Vec::with_capacity(raw.len());
+    for (i, p) in raw.iter().enumerate() {
+        if p.is_empty() {
+            return Err(ApiError::bad_request(format!("prompt {i} is empty"), Some("prompt")));
+        }
+        let mut ids = Vec::with_capacity(p.len());
+        for &t in p {
+            if t < 0 || t as u64 >= cfg.vocab_size as u64 {
+                return Err(ApiError::bad_request(
+                    format!(
+                        "Token id {t} in prompt {i} is out of vocabulary (vocab_size {})",
+                        cfg.vocab_size
+                    ),
+                    Some("prompt"),
+                ));
+            }
+            ids.push(t as u32);
+        }
+        if ids.len() >= cfg.max_model_len {
+            return Err(ApiError::bad_request(
+                format!(
+                    "Input length ({}) of prompt {i} leaves no room to generate within the model's maximum \
+                     context length ({})",
+                    ids.len(),
+                    cfg.max_model_len
+                ),
+                Some("prompt"),
+            ));
+        }
+        prompts.push(ids);
+    }
+    let n = req.n.unwrap_or(1);
+    if n < 1 {
+        return Err(ApiError::bad_request(
+            format!("n must be at least 1, got {n}."),
+            Some("n"),
+        ));
+    }
+    let max_tokens = req.max_tokens.unwrap_or(16);
+    if max_tokens < 1 {
+        return Err(ApiError::bad_request(
+            format!("max_tokens must be at least 1, got {max_tokens}."),
+            Some("max_tokens"),
+        ));
+    }
+    let temperature = req.temperature.unwrap_or(1.0);
+    if !temperature.is_finite() || !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad_request(
+            format!("temperature must be in [0, 2], got {temperature}."),
+            Some("temperature"),
+        ));
+    }
+    let top_p = req.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(
+            format!("top_p must be in (0, 1], got {top_p}."),
+            Some("top_p"),
+        ));
+    }
+    let top_k = req.top_k.unwrap_or(0);
+    if top_k < -1 {
+        return Err(ApiError::bad_request(
+            format!("top_k must be 0 (disable), or at least 1, got {top_k}."),
+            Some("top_k"),
+        ));
+    }
+    if let Some(lp) = req.logprobs {
+        if lp < 0 && lp != -1 {
+            return Err(ApiError::bad_request(
+                "`logprobs` must be a positive value or -1.",
+                Some("logprobs"),
+            ));
+        }
+    }
+    let mut user_stops = Vec::new();
+    for &t in req.stop_token_ids.as_deref().unwrap_or(&[]) {
+        if t < 0 || t as u64 >= cfg.vocab_size as u64 {
+            return Err(ApiError::bad_request(
+                format!("stop token id {t} is out of vocabulary"),
+                Some("stop_token_ids"),
+            ));
+        }
+        user_stops.push(t as u32);
+    }
+    let mut stops = user_stops.clone();
+    if !req.ignore_eos.unwrap_or(false) {
+        for &e in &cfg.eos_token_ids {
+            if !stops.contains(&e) {
+                stops.push(e);
+            }
+        }
+    }
+    let mut params = Vec::with_capacity(prompts.len() * n as usize);
+    for p in &prompts {
+        let room = cfg.max_model_len - p.len();
+        for i in 0..n {
+            params.push(SamplingParams {
+                temperature,
+                top_p,
+                top_k,
+                max_tokens: (max_tokens as usize).min(room),
+                stop_token_ids: stops.clone(),
+                // n > 1 with a seed: sample i uses seed + i, so the n samples differ but replay exactly.
+                seed: req.seed.map(|s| (s as u64).wrapping_add(i as u64)),
+            });
+        }
+    }
+    Ok(Parsed {
+        prompts,
+        n: n as usize,
+        params,
+        user_stops,
+        logprobs: req.logprobs,
+        return_token_ids: req.return_token_ids.unwrap_or(false),
+        as_token_ids: req.return_tokens_as_token_ids.unwrap_or(false),
+        skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
+        return_weight_versions: req.return_weight_versions.unwrap_or(false),
+        request_id: req.request_id,
+    })
+}
+
+async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
+    let parsed = match parse_completion(&s.cfg, &body) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let requests: Vec<GenRequest> = parsed
+        .prompts
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p, parsed.n))
+        .zip(parsed.params.iter().cloned())
+        .map(|(p, params)| GenRequest {
+            prompt_ids: p.clone(),
+            params,
+        })
+        .collect();
+    let result = s
+        .send(|reply| {
+            Msg::Generate(GenJob {
+                requests,
+                arrived: Instant::now(),
+                reply,
+            })
+        })
+        .await;
+    let (outs, version) = match result {
+        Err(e) => return e.into_response(),
+        Ok(Err(JobError::Paused)) => return ApiError::paused().into_response(),
+        Ok(Err(JobError::Engine(msg))) => return ApiError::internal(msg).into_response(),
+        Ok(Ok(done)) => done,
+    };
+    Json(completion_response(&s.cfg, &parsed, outs, &version)).into_response()
+}
+
+fn completion_response(cfg: &ServeConfig, p: &Parsed, outs: Vec<GenOutput>, version: &str) -> Value {
+    let tok = cfg.tokenizer.as_deref();
+    let decode = |ids: &[u32]| -> String {
+        tok.and_then(|t| t.decode(ids, p.skip_special_tokens).ok())
+            .unwrap_or_default()
+    };
+    let token_str = |id: u32| -> String {
+        match tok {
+            Some(t) if !p.as_token_ids => t.decode(&[id], false).unwrap_or_else(|_| format!("token_id:{id}")),
+            _ => format!("token_id:{id}"),
+        }
+    };
+    let mut choices = Vec::with_capacity(outs.len());
+    let mut completion_tokens = 0usize;
+    for (k, out) in outs.into_iter().enumerate() {
+        let prompt = &p.prompts[k / p.n];
+        completion_tokens += out.token_ids.len();
+        let logprobs = p.logprobs.map(|_| {
+            let tokens: Vec<String> = out.token_ids.iter().map(|&t| token_str(t)).collect();
+            let mut offsets = Vec::with_capacity(tokens.len());
+            let mut at = 0usize;
+            for t in &tokens {
+                offsets.push(at);
+                at += t.chars().count();
+            }
+            let lps: Vec<f64> = out.logprobs.iter().map(|&x| (x as f64).max(-9999.0)).collect();
+            let top: Vec<Value> = tokens
+                .iter()
+                .zip(&lps)
+                .map(|(t, &lp)| json!({ t.clone(): lp }))
+                .collect();
+            json!({"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": top})
+        });
+        let stop_reason = match (out.finish_reason, out.token_ids.last()) {
+            (FinishReason::Stop, Some(&last)) if p.user_stops.contains(&last) => json!(last),
+            _ => Value::Null,
+        };
+        let finish = match out.finish_reason {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        };
+        choices.push(json!({
+            "index": k,
+            "text": decode(&out.token_ids),
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+            "token_ids": if p.return_token_ids { json!(out.token_ids) } else { Value::Null },
+            "prompt_logprobs": null,
+            "prompt_token_ids": if p.return_token_ids { json!(prompt) } else { Value::Null },
+            "routed_experts": null,
+            "weight_versions": if p.return_weight_versions {
+                json!([{"version": version, "start": 0, "end": out.token_ids.len()}])
+            } else {
+                Value::Null
+            },
+        }));
+    }
+    let prompt_tokens: usize = p.prompts.iter().map(|x| x.len()).sum();
+    let id = match &p.request_id {
+        Some(r) => format!("cmpl-{r}"),
+        None => format!("cmpl-{}", random_hex()),
+    };
+    json!({
+        "id": id,
+        "object": "text_completion",
+        "created": unix_now(),
+        "model": cfg.served_model_name,
+        "choices": choices,
+        "service_tier": null,
+        "system_fingerprint": null,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": null,
+            "completion_tokens_details": null,
+        },
+        "kv_transfer_params": null,
+        "ec_transfer_params": null,
+        "metrics": null,
+    })
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// 32 hex digits, unique within the process (ids only; not a security token).
+fn random_hex() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let c = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let mix = (nanos ^ (std::process::id() as u64) << 32).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    format!("{mix:016x}{c:016x}")
+}

@@ -1,0 +1,689 @@
+//! The vLLM client against real `vime-serve` processes: directly, through a vllm-router stand-in,
+//! launched by `VllmLauncher`, and with engines killed mid-rollout.
+//!
+//! The `vime-serve` binary belongs to `vime-rollout`, not to this package, so `CARGO_BIN_EXE_*` does
+//! not exist here: the first test to need it runs `cargo build -p vime-rollout --bin vime-serve`
+//! (same profile as this test binary, `--release` when this is a release build) and uses
+//! `<target>/<profile>/vime-serve`. Cargo holds no lock while tests run, so the nested build only
+//! waits for other builds. The router stand-in implements what vime uses of vllm-router
+//! (`src/server.rs` of vllm-project/router): `POST /workers {"url"}`, `GET /workers`,
+//! `DELETE /workers/{url-encoded}` and forwarding `POST /v1/completions`; unlike the real router in
+//! single-router mode it 404s an unknown worker, so a wrongly encoded DELETE fails the test.
+//!
+//! Every wait is bounded (health deadlines, request timeouts, retry counts); everything binds 127.0.0.1.
+use serde_json::{json, Map, Value};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+use vime_rollout::engine::embedded::EmbeddedEngine;
+use vime_rollout::engine::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
+use vime_rollout::vllm::{
+    pick_free_port, url_encode_component, PauseMode, VllmArgs, VllmClient, VllmClientConfig, VllmLaunchConfig,
+    VllmLauncher,
+};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/tied_gqa")
+}
+
+/// Builds `vime-serve` once (see the file comment) and returns its path; a failed build fails every
+/// test that needs it, without building again.
+fn vime_serve_bin() -> &'static Path {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let built = BIN.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("test binary lives in <target>/<profile>/deps");
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["build", "-p", "vime-rollout", "--bin", "vime-serve"]);
+        if profile_dir.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        if cfg!(feature = "cuda") {
+            cmd.args(["--features", "vime-rollout/cuda"]);
+        }
+        let status = cmd
+            .status()
+            .map_err(|e| format!("running cargo build for vime-serve: {e}"))?;
+        if !status.success() {
+            return Err("cargo build -p vime-rollout --bin vime-serve failed".into());
+        }
+        let bin = profile_dir.join("vime-serve");
+        if !bin.exists() {
+            return Err(format!("{} missing after the build", bin.display()));
+        }
+        Ok(bin)
+    });
+    built.as_deref().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Status of `GET base+path` over a plain socket (None when nothing answers).
+fn http_status(base: &str, path: &str) -> Option<u16> {
+    let hostport = base.strip_prefix("http://")?;
+    let mut s = std::net::TcpStream::connect(hostport).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    buf.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn http_json(base: &str, path: &str) -> Value {
+    let hostport = base.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(hostport).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    let body = buf.split_once("\r\n\r\n").unwrap().1;
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{path}: {e}: {body:?}"))
+}
+
+/// One `vime-serve` child on a free port; SIGKILLed on drop.
+struct ServeProc {
+    child: Child,
+    url: String,
+}
+
+impl ServeProc {
+    fn start() -> Self {
+        let port = pick_free_port().unwrap();
+        let child = Command::new(vime_serve_bin())
+            .arg(fixture())
+            .args(["--port", &port.to_string(), "--batch-window-ms", "2"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http_status(&url, "/health") != Some(200) {
+            assert!(Instant::now() < deadline, "vime-serve at {url} not healthy within 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, url }
+    }
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ServeProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn client_config(engine_urls: Vec<String>) -> VllmClientConfig {
+    VllmClientConfig {
+        engine_urls,
+        max_concurrent_requests: 8,
+        request_timeout: Duration::from_secs(30),
+        control_timeout: Duration::from_secs(30),
+        max_retries: 3,
+        retry_backoff: Duration::from_millis(50),
+        retry_backoff_max: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+fn requests(n: usize, max_tokens: usize) -> Vec<GenRequest> {
+    (0..n)
+        .map(|i| GenRequest {
+            prompt_ids: vec![(i % 150) as u32 + 1, 7, (3 * i % 160) as u32],
+            params: SamplingParams {
+                temperature: 1.0,
+                top_p: 0.95,
+                top_k: 50,
+                max_tokens,
+                stop_token_ids: vec![5, 11],
+                seed: Some(1000 + i as u64),
+            },
+        })
+        .collect()
+}
+
+fn assert_well_formed(reqs: &[GenRequest], outs: &[GenOutput]) {
+    assert_eq!(outs.len(), reqs.len(), "one completion per request");
+    for (r, o) in reqs.iter().zip(outs) {
+        assert!(!o.token_ids.is_empty() && o.token_ids.len() <= r.params.max_tokens);
+        assert_eq!(o.token_ids.len(), o.logprobs.len());
+        assert!(o.logprobs.iter().all(|&x| x.is_finite() && x <= 0.0));
+        match o.finish_reason {
+            FinishReason::Stop => assert!(r.params.stop_token_ids.contains(o.token_ids.last().unwrap())),
+            FinishReason::Length => assert_eq!(o.token_ids.len(), r.params.max_tokens),
+            FinishReason::Abort => panic!("nothing was aborted"),
+        }
+    }
+}
+
+/// Seeded samples do not depend on the batch they ran in: what came over HTTP is what the built-in
+/// engine produces in process.
+fn assert_matches_in_process(reqs: &[GenRequest], outs: &[GenOutput]) {
+    let engine = EmbeddedEngine::load_hf(&fixture(), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    let want = engine.generate(reqs).unwrap();
+    for (i, (o, w)) in outs.iter().zip(&want).enumerate() {
+        assert_eq!(o.token_ids, w.token_ids, "request {i}");
+        assert_eq!(o.finish_reason, w.finish_reason, "request {i}");
+        for (a, b) in o.logprobs.iter().zip(&w.logprobs) {
+            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn client_drives_vime_serve_directly() {
+    let a = ServeProc::start();
+    let b = ServeProc::start();
+    let client = Arc::new(VllmClient::connect(client_config(vec![a.url.clone(), format!("{}/", b.url)])).unwrap());
+    client.wait_healthy(Duration::from_secs(10)).unwrap();
+    let engine: &dyn RolloutEngine = client.as_ref();
+
+    let reqs = requests(24, 8);
+    let outs = engine.generate(&reqs).unwrap();
+    assert_well_formed(&reqs, &outs);
+    assert_matches_in_process(&reqs, &outs);
+    assert_eq!(client.stats().completed, 24);
+    assert_eq!(client.stats().retries, 0);
+
+    // pause(keep): a rollout started meanwhile waits, and completes after resume.
+    client.pause(PauseMode::Keep).unwrap();
+    assert_eq!(client.is_paused().unwrap(), vec![true, true]);
+    let held = {
+        let c = client.clone();
+        let reqs = requests(4, 4);
+        std::thread::spawn(move || c.generate(&reqs))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!held.is_finished(), "generation proceeded while paused with mode=keep");
+    client.resume().unwrap();
+    assert_eq!(client.is_paused().unwrap(), vec![false, false]);
+    assert_well_formed(&requests(4, 4), &held.join().unwrap().unwrap());
+
+    // Weights from a directory on every engine; the version moves on the client and the engines.
+    assert_eq!(engine.weight_version(), 0);
+    engine.update_weights_from_dir(&fixture()).unwrap();
+    assert_eq!(engine.weight_version(), 1);
+    for url in [&a.url, &b.url] {
+        assert_eq!(http_json(url, "/weight_info"), json!({"weight_version": "1"}));
+        assert_eq!(
+            http_json(url, "/is_paused"),
+            json!({"is_paused": false}),
+            "update resumed {url}"
+        );
+    }
+    let mut kwargs = Map::new();
+    kwargs.insert("weights_path".into(), json!(fixture().canonicalize().unwrap()));
+    assert_eq!(
+        client.collective_rpc("reload_weights", &[], &kwargs).unwrap(),
+        vec![json!([null]), json!([null])]
+    );
+
+    // Sleep and wake up by tags (query params), then generate again.
+    client.sleep(1).unwrap();
+    assert_eq!(client.is_paused().unwrap(), vec![true, true]);
+    client.wake_up(&["weights"]).unwrap();
+    assert_eq!(client.is_paused().unwrap(), vec![true, true], "kv_cache still asleep");
+    client.wake_up(&["kv_cache"]).unwrap();
+    assert_eq!(client.is_paused().unwrap(), vec![false, false]);
+    let err = client.wake_up(&["cuda_graph"]).unwrap_err().to_string();
+    assert!(err.contains("cuda_graph"), "{err}");
+    client.reset_prefix_cache().unwrap();
+    assert_well_formed(&reqs[..4], &engine.generate(&reqs[..4]).unwrap());
+
+    // A request the engine refuses (4xx) fails at once with the engine's message and URL.
+    let retries = client.stats().retries;
+    let bad = vec![GenRequest {
+        prompt_ids: vec![1, 999],
+        params: SamplingParams::default(),
+    }];
+    let err = format!("{:#}", engine.generate(&bad).unwrap_err());
+    assert!(err.contains("out of vocabulary"), "{err}");
+    assert!(err.contains(&a.url) || err.contains(&b.url), "{err}");
+    assert_eq!(client.stats().retries, retries, "4xx is not retried");
+}
+
+// ------------------------------------------------------------------------------------------------
+// vllm-router stand-in
+
+#[derive(Default)]
+struct RouterState {
+    workers: Mutex<Vec<String>>,
+    deletes: Mutex<Vec<String>>,
+    forwarded: AtomicUsize,
+    rr: AtomicUsize,
+}
+
+struct RouterStandIn {
+    url: String,
+    state: Arc<RouterState>,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl RouterStandIn {
+    fn start() -> Self {
+        use axum::extract::{OriginalUri, Path as UrlPath, State};
+        use axum::http::StatusCode;
+        use axum::response::IntoResponse;
+        use axum::routing::{delete, post};
+        use axum::Json;
+        type S = State<(Arc<RouterState>, reqwest::Client)>;
+
+        async fn add(State((st, _)): S, Json(v): Json<Value>) -> impl IntoResponse {
+            let url = v["url"].as_str().unwrap_or_default().to_string();
+            st.workers.lock().unwrap().push(url.clone());
+            Json(json!({"success": true, "message": format!("Successfully added worker: {url}")}))
+        }
+        async fn list(State((st, _)): S) -> impl IntoResponse {
+            let w = st.workers.lock().unwrap().clone();
+            Json(json!({"workers": w.iter().map(|u| json!({"url": u})).collect::<Vec<_>>(), "total": w.len()}))
+        }
+        async fn remove(
+            State((st, _)): S,
+            UrlPath(url): UrlPath<String>,
+            OriginalUri(uri): OriginalUri,
+        ) -> axum::response::Response {
+            st.deletes.lock().unwrap().push(uri.path().to_string());
+            let mut w = st.workers.lock().unwrap();
+            match w.iter().position(|x| *x == url) {
+                Some(i) => {
+                    w.remove(i);
+                    Json(json!({"success": true, "message": format!("Worker {url} removed successfully")}))
+                        .into_response()
+                }
+                None => (
+                    StatusCode::NOT_FOUND,
+                    Json(json!({"error": format!("Worker {url} not found"), "code": "WORKER_NOT_FOUND"})),
+                )
+                    .into_response(),
+            }
+        }
+        async fn forward(State((st, http)): S, body: axum::body::Bytes) -> axum::response::Response {
+            let workers = st.workers.lock().unwrap().clone();
+            if workers.is_empty() {
+                return (StatusCode::SERVICE_UNAVAILABLE, "No available workers").into_response();
+            }
+            let w = &workers[st.rr.fetch_add(1, Ordering::Relaxed) % workers.len()];
+            st.forwarded.fetch_add(1, Ordering::Relaxed);
+            let sent = http
+                .post(format!("{w}/v1/completions"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await;
+            match sent {
+                Ok(r) => {
+                    let status = StatusCode::from_u16(r.status().as_u16()).unwrap();
+                    (status, r.bytes().await.unwrap_or_default()).into_response()
+                }
+                Err(e) => (
+                    StatusCode::BAD_GATEWAY,
+                    format!("Failed to send request to worker {w}: {e}"),
+                )
+                    .into_response(),
+            }
+        }
+
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let state = Arc::new(RouterState::default());
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let app = axum::Router::new()
+            .route("/workers", post(add).get(list))
+            .route("/workers/{url}", delete(remove))
+            .route("/v1/completions", post(forward))
+            .with_state((state.clone(), http));
+        let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        rt.spawn(async move { axum::serve(listener, app).await.unwrap() });
+        Self {
+            url,
+            state,
+            rt: Some(rt),
+        }
+    }
+    fn workers(&self) -> Vec<String> {
+        self.state.workers.lock().unwrap().clone()
+    }
+}
+
+impl Drop for RouterStandIn {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+#[test]
+fn router_registers_forwards_and_deregisters() {
+    let a = ServeProc::start();
+    let b = ServeProc::start();
+    let router = RouterStandIn::start();
+    let mut cfg = client_config(vec![a.url.clone(), b.url.clone()]);
+    cfg.router_url = Some(router.url.clone());
+    let client = VllmClient::connect(cfg).unwrap();
+    assert_eq!(
+        router.workers(),
+        vec![a.url.clone(), b.url.clone()],
+        "POST /workers per engine"
+    );
+    assert_eq!(http_json(&router.url, "/workers")["total"], 2);
+
+    let reqs = requests(16, 6);
+    let outs = client.generate(&reqs).unwrap();
+    assert_well_formed(&reqs, &outs);
+    assert_matches_in_process(&reqs, &outs);
+    assert_eq!(
+        router.state.forwarded.load(Ordering::Relaxed),
+        16,
+        "generation goes through the router"
+    );
+
+    // Control calls go to the engines themselves (the router does not forward them).
+    client.pause(PauseMode::Keep).unwrap();
+    assert_eq!(http_json(&a.url, "/is_paused"), json!({"is_paused": true}));
+    client.resume().unwrap();
+    client.update_weights_from_dir(&fixture()).unwrap();
+    assert_eq!(client.weight_version(), 1);
+    assert_eq!(http_json(&b.url, "/weight_info"), json!({"weight_version": "1"}));
+
+    // Deregistration: DELETE /workers/{quote(url, safe="")}.
+    client.shutdown().unwrap();
+    assert!(router.workers().is_empty(), "{:?}", router.workers());
+    let deletes = router.state.deletes.lock().unwrap().clone();
+    let port_a = a.url.rsplit(':').next().unwrap();
+    assert_eq!(deletes[0], format!("/workers/http%3A%2F%2F127.0.0.1%3A{port_a}"));
+    assert_eq!(
+        url_encode_component("http://127.0.0.1:8000/x y"),
+        "http%3A%2F%2F127.0.0.1%3A8000%2Fx%20y"
+    );
+    drop(client); // already deregistered: drop sends nothing more
+    assert_eq!(router.state.deletes.lock().unwrap().len(), 2);
+}
+
+/// Runs a long rollout on `client` in a thread, kills `victim` once a few samples are back, and
+/// returns the rollout's result and how long it took to end after the kill.
+fn kill_mid_rollout(
+    client: &Arc<VllmClient>,
+    victim: &mut ServeProc,
+    n: usize,
+    max_tokens: usize,
+) -> (anyhow::Result<Vec<GenOutput>>, Vec<GenRequest>, Duration) {
+    let reqs = requests(n, max_tokens);
+    let rollout = {
+        let (c, reqs) = (client.clone(), reqs.clone());
+        std::thread::spawn(move || c.generate(&reqs))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while client.stats().completed < 3 {
+        assert!(Instant::now() < deadline, "no samples came back within 60 s");
+        assert!(!rollout.is_finished(), "the rollout ended before the kill");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!rollout.is_finished(), "rollout too short to kill mid-way");
+    victim.kill();
+    let killed_at = Instant::now();
+    let res = rollout.join().unwrap();
+    (res, reqs, killed_at.elapsed())
+}
+
+#[test]
+fn killed_engine_fails_the_rollout_naming_its_url() {
+    let mut s = ServeProc::start();
+    let mut cfg = client_config(vec![s.url.clone()]);
+    cfg.max_concurrent_requests = 2;
+    let client = Arc::new(VllmClient::connect(cfg).unwrap());
+    let (res, _, took) = kill_mid_rollout(&client, &mut s, 400, 64);
+    let err = format!("{:#}", res.expect_err("a dead engine must fail the rollout"));
+    assert!(err.contains(&s.url), "error names the engine: {err}");
+    assert!(err.contains("after 4 attempts"), "{err}");
+    assert!(err.contains("connection"), "{err}");
+    let st = client.stats();
+    assert!(st.completed >= 3, "{st:?}");
+    assert!(st.retries >= 3, "retried before giving up: {st:?}");
+    assert!(st.failed >= 1, "{st:?}");
+    assert!(took < Duration::from_secs(15), "gave up in {took:?}");
+}
+
+#[test]
+fn killed_engine_behind_router_names_router_and_worker() {
+    let mut s = ServeProc::start();
+    let router = RouterStandIn::start();
+    let mut cfg = client_config(vec![s.url.clone()]);
+    cfg.router_url = Some(router.url.clone());
+    cfg.max_concurrent_requests = 2;
+    let client = Arc::new(VllmClient::connect(cfg).unwrap());
+    let (res, _, took) = kill_mid_rollout(&client, &mut s, 400, 64);
+    let err = format!("{:#}", res.expect_err("a dead engine must fail the rollout"));
+    assert!(
+        err.contains(&router.url) && err.contains(&s.url),
+        "error names router and worker: {err}"
+    );
+    assert!(err.contains("502"), "{err}");
+    assert!(client.stats().retries >= 3);
+    assert!(took < Duration::from_secs(15), "gave up in {took:?}");
+    client.shutdown().unwrap();
+    assert!(router.workers().is_empty());
+}
+
+#[test]
+fn rollout_fails_over_to_the_surviving_engine() {
+    let mut a = ServeProc::start();
+    let b = ServeProc::start();
+    let mut cfg = client_config(vec![a.url.clone(), b.url.clone()]);
+    cfg.max_concurrent_requests = 4;
+    let client = Arc::new(VllmClient::connect(cfg).unwrap());
+    let (res, reqs, _) = kill_mid_rollout(&client, &mut a, 96, 24);
+    let outs = res.expect("the other engine takes over");
+    assert_well_formed(&reqs, &outs);
+    assert_matches_in_process(&reqs, &outs);
+    let st = client.stats();
+    assert!(st.retries >= 1, "{st:?}");
+    assert_eq!(st.failed, 0);
+    assert_eq!(st.completed, 96);
+}
+
+#[test]
+fn malformed_or_failing_answers_are_errors_not_samples() {
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let (bad_url, down_url) = rt.block_on(async {
+        let bad = axum::Router::new().route(
+            "/v1/completions",
+            axum::routing::post(|| async {
+                axum::Json(json!({"choices": [{"index": 0, "text": "", "token_ids": [1, 2, 3], "finish_reason": "length",
+                                  "logprobs": {"token_logprobs": [-0.5], "tokens": [], "text_offset": [], "top_logprobs": []}}]}))
+            }),
+        );
+        let h = hits.clone();
+        let down = axum::Router::new().route(
+            "/v1/completions",
+            axum::routing::post(move || {
+                h.fetch_add(1, Ordering::SeqCst);
+                async { (StatusCode::SERVICE_UNAVAILABLE, "engine is restarting").into_response() }
+            }),
+        );
+        let mut urls = Vec::new();
+        for app in [bad, down] {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            urls.push(format!("http://{}", l.local_addr().unwrap()));
+            tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        }
+        (urls[0].clone(), urls[1].clone())
+    });
+    let reqs = requests(2, 4);
+
+    let client = VllmClient::connect(client_config(vec![bad_url.clone()])).unwrap();
+    let err = format!("{:#}", client.generate(&reqs).unwrap_err());
+    assert!(
+        err.contains(&bad_url) && err.contains("3 token ids but 1 log-probs"),
+        "{err}"
+    );
+    assert_eq!(client.stats().retries, 0, "a malformed answer is not retried");
+
+    let client = VllmClient::connect(client_config(vec![down_url.clone()])).unwrap();
+    let t0 = Instant::now();
+    let err = format!("{:#}", client.generate(&reqs[..1]).unwrap_err());
+    assert!(
+        err.contains(&down_url) && err.contains("503") && err.contains("engine is restarting"),
+        "{err}"
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 4, "1 attempt + 3 retries");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(client);
+    rt.shutdown_background();
+}
+
+#[test]
+fn launcher_starts_waits_for_health_and_stops_engines() {
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = VllmLaunchConfig {
+        program: vime_serve_bin().to_path_buf(),
+        program_args: vec![],
+        model: fixture().display().to_string(),
+        num_engines: 2,
+        tensor_parallel_size: 1,
+        gpu_memory_utilization: 0.5,
+        enable_sleep_mode: true,
+        worker_extension_cls: Some("vime_sync.vllm_ext.VimeWorkerExtension".into()),
+        log_dir: logs.path().to_path_buf(),
+        health_timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let args = cfg.args(8123);
+    let tail: Vec<&str> = args.iter().skip(1).map(String::as_str).collect();
+    assert_eq!(
+        tail,
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "8123",
+            "--tensor-parallel-size",
+            "1",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--enable-sleep-mode",
+            "--worker-extension-cls",
+            "vime_sync.vllm_ext.VimeWorkerExtension"
+        ]
+    );
+    let launcher = VllmLauncher::launch(&cfg).unwrap();
+    let urls = launcher.urls();
+    assert_eq!(urls.len(), 2);
+    for u in &urls {
+        assert_eq!(http_status(u, "/health"), Some(200));
+    }
+    let client = VllmClient::connect(client_config(urls.clone())).unwrap();
+    let reqs = requests(8, 4);
+    assert_well_formed(&reqs, &client.generate(&reqs).unwrap());
+    for p in launcher.log_paths() {
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.contains("listening on"), "{}: {text}", p.display());
+    }
+    let pids = launcher.pids();
+    drop(launcher);
+    for (u, pid) in urls.iter().zip(pids) {
+        assert_eq!(
+            http_status(u, "/health"),
+            None,
+            "{u} still answers after the launcher dropped"
+        );
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "engine pid {pid} still exists"
+        );
+    }
+}
+
+#[test]
+fn launcher_via_cli_flags() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        vllm: VllmArgs,
+    }
+    let logs = tempfile::tempdir().unwrap();
+    let cli = <Cli as clap::Parser>::parse_from([
+        "trainer",
+        "--vllm-launch",
+        "--vllm-command",
+        vime_serve_bin().to_str().unwrap(),
+        "--vllm-num-engines",
+        "1",
+        "--vllm-log-dir",
+        logs.path().to_str().unwrap(),
+        "--vllm-health-timeout",
+        "60",
+        "--vllm-max-retries",
+        "2",
+    ]);
+    let (launcher, client) = cli.vllm.connect(fixture().to_str().unwrap()).unwrap();
+    let launcher = launcher.expect("--vllm-launch starts engines");
+    assert_eq!(client.engine_urls(), launcher.urls());
+    let reqs = requests(4, 4);
+    assert_well_formed(&reqs, &client.generate(&reqs).unwrap());
+}
+
+#[test]
+fn launcher_reports_engines_that_die_or_never_get_healthy() {
+    let logs = tempfile::tempdir().unwrap();
+    let base = VllmLaunchConfig {
+        program: PathBuf::from("/bin/sh"),
+        model: "some-model".into(),
+        log_dir: logs.path().to_path_buf(),
+        health_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    // The child exits: reported at once with its log.
+    let cfg = VllmLaunchConfig {
+        program_args: vec!["-c".into(), "echo 'CUDA out of memory' >&2; exit 3".into(), "sh".into()],
+        ..base.clone()
+    };
+    let t0 = Instant::now();
+    let err = format!("{:#}", VllmLauncher::launch(&cfg).err().expect("launch must fail"));
+    assert!(
+        err.contains("exited") && err.contains("CUDA out of memory") && err.contains("vllm-engine-0.log"),
+        "{err}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    // The child never serves: the health deadline holds, and the child is stopped.
+    let cfg = VllmLaunchConfig {
+        program_args: vec!["-c".into(), "echo starting; sleep 30".into(), "sh".into()],
+        health_timeout: Duration::from_secs(1),
+        ..base
+    };
+    let t0 = Instant::now();
+    let err = format!("{:#}", VllmLauncher::launch(&cfg).err().expect("launch must fail"));
+    assert!(err.contains("not healthy after") && err.contains("starting"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
+}
