@@ -645,54 +645,13 @@ fn fix_malformed_operators(t: &[char]) -> Vec<char> {
         let inner: String = t[k + 1..close].iter().collect();
         Some((close + 1 - i, format!("\\sqrt{{{inner}}}")))
     });
-    // \frac\s?(\d)\s?(\d+) -> \frac{a}{bc}
-    t = sub_all(&t, |t, i| {
-        if !starts_at(t, i, "\\frac") {
-            return None;
-        }
-        let mut k = i + 5;
-        if t.get(k).is_some_and(|c| c.is_whitespace()) {
-            k += 1;
-        }
-        let a = *t.get(k).filter(|c| c.is_ascii_digit())?;
-        k += 1;
-        if t.get(k).is_some_and(|c| c.is_whitespace()) {
-            k += 1;
-        }
-        let start = k;
-        while t.get(k).is_some_and(|c| c.is_ascii_digit()) {
-            k += 1;
-        }
-        if k == start {
-            return None;
-        }
-        let b: String = t[start..k].iter().collect();
-        Some((k - i, format!("\\frac{{{a}}}{{{b}}}")))
-    });
-    // \log_\s?(\d)\s?(\d+) -> \log_{a}{bc}
-    t = sub_all(&t, |t, i| {
-        if !starts_at(t, i, "\\log_") {
-            return None;
-        }
-        let mut k = i + 5;
-        if t.get(k).is_some_and(|c| c.is_whitespace()) {
-            k += 1;
-        }
-        let a = *t.get(k).filter(|c| c.is_ascii_digit())?;
-        k += 1;
-        if t.get(k).is_some_and(|c| c.is_whitespace()) {
-            k += 1;
-        }
-        let start = k;
-        while t.get(k).is_some_and(|c| c.is_ascii_digit()) {
-            k += 1;
-        }
-        if k == start {
-            return None;
-        }
-        let b: String = t[start..k].iter().collect();
-        Some((k - i, format!("\\log_{{{a}}}{{{b}}}")))
-    });
+    // \frac\s?(\d)\s?(\d+) -> \frac{a}{bc}, and \log_\s?(\d)\s?(\d+) -> \log_{a}{bc}
+    for cmd in ["\\frac", "\\log_"] {
+        t = sub_all(&t, |t, i| {
+            let (len, a, b) = digit_then_digits_after(t, i, cmd)?;
+            Some((len, format!("{cmd}{{{a}}}{{{b}}}")))
+        });
+    }
     // \frac\s?{(.*?)}\s?(\d) -> \frac{..}{d}
     t = sub_all(&t, |t, i| {
         if !starts_at(t, i, "\\frac") {
@@ -956,4 +915,28 @@ mod tests {
         assert_eq!(n("1/3"), "\\frac{1}{3}");
         assert_eq!(n(".4"), "0.4");
     }
+}
+
+/// Matches `cmd\s?(\d)\s?(\d+)` at `i`: the length matched, the single digit and the digit run.
+fn digit_then_digits_after(t: &[char], i: usize, cmd: &str) -> Option<(usize, char, String)> {
+    if !starts_at(t, i, cmd) {
+        return None;
+    }
+    let mut k = i + cmd.chars().count();
+    if t.get(k).is_some_and(|c| c.is_whitespace()) {
+        k += 1;
+    }
+    let a = *t.get(k).filter(|c| c.is_ascii_digit())?;
+    k += 1;
+    if t.get(k).is_some_and(|c| c.is_whitespace()) {
+        k += 1;
+    }
+    let start = k;
+    while t.get(k).is_some_and(|c| c.is_ascii_digit()) {
+        k += 1;
+    }
+    if k == start {
+        return None;
+    }
+    Some((k - i, a, t[start..k].iter().collect()))
 }
