@@ -10,4 +10,5 @@ pub mod data;
 pub mod engine;
 pub mod reward;
 pub mod serve;
+pub mod task;
 pub mod vllm;

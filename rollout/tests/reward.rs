@@ -10,7 +10,7 @@ use tokio::net::TcpListener;
 use vime_rollout::reward::boxed::{last_boxed_answer, last_boxed_only_string, remove_boxed};
 use vime_rollout::reward::math::{self, ExtractConfig};
 use vime_rollout::reward::{
-    dapo, deepscaler, f1, rule_reward, RemoteRmOptions, Reward, RewardModel, RewardSample, RmKind, RmType,
+    dapo, deepscaler, exact, f1, rule_reward, RemoteRmOptions, Reward, RewardModel, RewardSample, RmKind, RmType,
 };
 
 // ---- conformance ---------------------------------------------------------------------------
@@ -321,6 +321,47 @@ fn f1_reward_cases() {
     assert!((scalar(r) - 2.0 / 3.0).abs() < 1e-12);
     assert!(rule_reward(rm("f1"), "x", None).is_err());
     assert!(deepscaler::grade_answer("\\frac{1}{2}", "0.5"));
+}
+
+#[test]
+fn exact_match_reward_cases() {
+    assert_eq!(
+        rm("exact_match"),
+        RmType {
+            kind: RmKind::ExactMatch,
+            boxed: false
+        }
+    );
+    assert_eq!(rm("exact_match").to_string(), "exact_match");
+    assert_eq!(rm("boxed_exact_match").to_string(), "boxed_exact_match");
+    let err = "gpqa".parse::<RmType>().unwrap_err().to_string();
+    assert!(err.contains("exact_match"), "the supported list names it: {err}");
+
+    let r = |resp: &str, label: &str| scalar(rule_reward(rm("exact_match"), resp, Some(label)).unwrap());
+    assert_eq!(r("47", "47"), 1.0);
+    assert_eq!(r(" 47\n", "47 "), 1.0, "surrounding whitespace on either side");
+    assert_eq!(r("-3", "-3"), 1.0);
+    assert_eq!(r("47<eos>", "47"), 1.0, "decoded with its EOS token");
+    assert_eq!(r("47<|endoftext|>\n", "47"), 1.0);
+    assert_eq!(r("47<eos><pad><pad>", "47"), 1.0);
+    assert_eq!(r("47<|im_end|>", "47"), 1.0);
+    assert_eq!(r("047", "47"), 0.0, "no numeric equivalence");
+    assert_eq!(r("47.0", "47"), 0.0);
+    assert_eq!(r("4 7", "47"), 0.0);
+    assert_eq!(r("47 48", "47"), 0.0);
+    assert_eq!(r("3", "-3"), 0.0);
+    assert_eq!(r("<eos>47", "47"), 0.0, "only a trailing EOS is dropped");
+    assert_eq!(r("", "47"), 0.0);
+    assert_eq!(exact::strip_response(" 12 <eos>\n<pad>"), "12");
+
+    let err = rule_reward(rm("exact_match"), "47", None).unwrap_err().to_string();
+    assert!(err.contains("exact_match reward: the sample has no label"), "{err}");
+    let boxed = rule_reward(rm("boxed_exact_match"), "so \\boxed{47}.", Some("47")).unwrap();
+    assert_eq!(scalar(boxed), 1.0);
+    assert_eq!(
+        RewardModel::new("exact_match", None).unwrap().rm_type(),
+        Some(rm("exact_match"))
+    );
 }
 
 #[tokio::test]

@@ -6,6 +6,8 @@
 //!   DIR/iter_0000010/optimizer.safetensors   fp32 master weights and Adam moments by HF name
 //!   DIR/iter_0000010/extra.safetensors       other tensors (critic value head, ...), optional
 //!   DIR/iter_0000010/state.json          step, rollout id, data cursor, RNG state, anything else
+//!   DIR/iter_0000010/critic/             PPO only: the critic (HF backbone + value head)
+//!   DIR/iter_0000010/critic_optimizer.safetensors   PPO only: the critic's master weights and moments
 //!   DIR/latest_checkpointed_iteration.txt    "10": written last
 //!
 //! Atomicity: everything is written into `DIR/.tmp-iter_0000010`, every file fsynced, the folder
@@ -15,13 +17,14 @@
 //!
 //! `VIME_FAULT_INJECT=ckpt-abort-before-rename` aborts the process after the files are written and
 //! before the rename: the resume tests use it to kill a save midway for real.
+use crate::critic::Critic;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
-use vime_qwen3::checkpoint::DEFAULT_MAX_SHARD_BYTES;
+use vime_qwen3::checkpoint::{copy_tokenizer_files, DEFAULT_MAX_SHARD_BYTES};
 use vime_qwen3::model::Qwen3;
 
 pub const LATEST_FILE: &str = "latest_checkpointed_iteration.txt";
@@ -56,6 +59,11 @@ pub struct CheckpointContents<'a> {
     pub model_dtype: DType,
     pub optimizer: &'a BTreeMap<String, Tensor>,
     pub extra_tensors: &'a BTreeMap<String, Tensor>,
+    /// Tokenizer files (`tokenizer.json`, ...) copied from here into `hf/`, so the folder serves
+    /// and loads as it is.
+    pub tokenizer_dir: Option<&'a Path>,
+    /// The PPO critic and its optimizer state.
+    pub critic: Option<(&'a Critic, &'a BTreeMap<String, Tensor>)>,
 }
 
 /// A checkpoint found on disk.
@@ -64,12 +72,20 @@ pub struct Loaded {
     pub state: TrainState,
     pub optimizer: BTreeMap<String, Tensor>,
     pub extra_tensors: BTreeMap<String, Tensor>,
+    /// Empty when the checkpoint has no critic.
+    pub critic_optimizer: BTreeMap<String, Tensor>,
 }
 
 impl Loaded {
     /// The HF-layout model folder of this checkpoint.
     pub fn hf_dir(&self) -> PathBuf {
         self.dir.join("hf")
+    }
+
+    /// The critic's folder, when the checkpoint has one.
+    pub fn critic_dir(&self) -> Option<PathBuf> {
+        let d = self.dir.join("critic");
+        d.is_dir().then_some(d)
     }
 }
 
@@ -120,7 +136,14 @@ pub fn save(root: &Path, contents: &CheckpointContents) -> Result<PathBuf> {
     contents
         .model
         .save_hf(&tmp.join("hf"), contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)?;
+    if let Some(tok) = contents.tokenizer_dir {
+        copy_tokenizer_files(tok, &tmp.join("hf"))?;
+    }
     write_safetensors(&tmp.join("optimizer.safetensors"), contents.optimizer)?;
+    if let Some((critic, critic_opt)) = contents.critic {
+        critic.save(&tmp.join("critic"), contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)?;
+        write_safetensors(&tmp.join("critic_optimizer.safetensors"), critic_opt)?;
+    }
     if !contents.extra_tensors.is_empty() {
         write_safetensors(&tmp.join("extra.safetensors"), contents.extra_tensors)?;
     }
@@ -206,10 +229,12 @@ pub fn load_step(root: &Path, step: u64, device: &Device) -> Result<Loaded> {
     };
     let optimizer = load("optimizer.safetensors")?;
     let extra_tensors = load("extra.safetensors")?;
+    let critic_optimizer = load("critic_optimizer.safetensors")?;
     Ok(Loaded {
         dir,
         state,
         optimizer,
         extra_tensors,
+        critic_optimizer,
     })
 }

@@ -9,7 +9,10 @@
 pub mod batching;
 pub mod ckpt;
 pub mod critic;
+pub mod demo;
 pub mod device;
+pub mod metrics;
 pub mod optim;
 pub mod rl;
 pub mod score;
+pub mod train;

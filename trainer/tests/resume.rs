@@ -144,6 +144,8 @@ fn train(root: &Path, total_steps: u64, stop_after: Option<u64>) -> Result<()> {
                 model_dtype: DType::F32,
                 optimizer: &optimizer,
                 extra_tensors: &extra,
+                tokenizer_dir: None,
+                critic: None,
             };
             ckpt::save(root, &contents)?;
         }

@@ -6,6 +6,7 @@
 //! | `math` | 1 if the last `\boxed{}` anywhere matches the label, else 0 |
 //! | `dapo` | `{score: ±1, acc, pred}` from the last `Answer:` line (Minerva normalisation) |
 //! | `f1` | token F1 between response and label (SQuAD normalisation) |
+//! | `exact_match` | 1 if the trimmed response is exactly the label, else 0 (vime's own, for synthetic tasks) |
 //! | `remote_rm` | the JSON an HTTP reward model returns for `{prompt, response, label}` (`--rm-url`) |
 //! | `boxed_<type>` | `<type>` applied to the last `\boxed{}` content instead of the whole response |
 //!
@@ -17,6 +18,7 @@
 pub mod boxed;
 pub mod dapo;
 pub mod deepscaler;
+pub mod exact;
 pub mod f1;
 pub mod math;
 pub mod remote;
@@ -35,6 +37,8 @@ pub enum RmKind {
     Math,
     Dapo,
     F1,
+    /// vime's own (slime has none): see [`exact`].
+    ExactMatch,
     RemoteRm,
 }
 
@@ -59,10 +63,11 @@ impl FromStr for RmType {
             "math" => RmKind::Math,
             "dapo" => RmKind::Dapo,
             "f1" => RmKind::F1,
+            "exact_match" => RmKind::ExactMatch,
             "remote_rm" => RmKind::RemoteRm,
-            "" => bail!("--rm-type is not set (one of: deepscaler, math, dapo, f1, remote_rm, boxed_<type>)"),
+            "" => bail!("--rm-type is not set (one of: deepscaler, math, dapo, f1, exact_match, remote_rm, boxed_<type>)"),
             other => bail!(
-                "--rm-type {other:?} is not implemented (supported: deepscaler, math, dapo, f1, remote_rm, boxed_<type>)"
+                "--rm-type {other:?} is not implemented (supported: deepscaler, math, dapo, f1, exact_match, remote_rm, boxed_<type>)"
             ),
         };
         Ok(RmType { kind, boxed })
@@ -76,6 +81,7 @@ impl fmt::Display for RmType {
             RmKind::Math => "math",
             RmKind::Dapo => "dapo",
             RmKind::F1 => "f1",
+            RmKind::ExactMatch => "exact_match",
             RmKind::RemoteRm => "remote_rm",
         };
         if self.boxed {
@@ -170,6 +176,10 @@ pub fn rule_reward(rm: RmType, response: &str, label: Option<&str>) -> Result<Re
         RmKind::F1 => {
             let label = label.context("f1 reward: the sample has no label")?;
             Reward::Scalar(f1::f1_score(response, label).0)
+        }
+        RmKind::ExactMatch => {
+            let label = label.context("exact_match reward: the sample has no label")?;
+            Reward::Scalar(exact::exact_match(response, label))
         }
         RmKind::RemoteRm => bail!("remote_rm is not a rule-based reward; use RewardModel::score"),
     })

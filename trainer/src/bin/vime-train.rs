@@ -1,16 +1,28 @@
-//! `vime-train`: the trainer's command line. Subcommands so far: `logprobs` (score sequences with
-//! an HF Qwen3 checkpoint). Flag names follow slime's where slime has one.
+//! `vime-train`: the trainer's command line.
+//!
+//! - `vime-train [FLAGS]`: a training run (RL with `--loss-type policy_loss`, the default, or SFT
+//!   with `--loss-type sft_loss`); flag names follow slime's (see `vime_trainer::train::TrainArgs`).
+//! - `vime-train logprobs ...`: score token sequences with an HF Qwen3 checkpoint.
+//! - `vime-train make-task arith ...`: write the synthetic arithmetic task of the CPU demo.
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use vime_qwen3::model::Qwen3;
 use vime_trainer::device::{parse_device, parse_dtype};
+use vime_trainer::train::TrainArgs;
 
 #[derive(Parser)]
-#[command(name = "vime-train", version, about = "Native Rust RL post-training for Qwen3")]
+#[command(
+    name = "vime-train",
+    version,
+    about = "Native Rust RL post-training for Qwen3",
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
-    cmd: Cmd,
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    train: TrainArgs,
 }
 
 #[derive(Subcommand)]
@@ -36,18 +48,45 @@ enum Cmd {
         #[arg(long, default_value_t = 8192)]
         max_tokens_per_batch: usize,
     },
+    /// Writes a synthetic task (prompts, eval set, tokenizer, a tiny random Qwen3) for the demo.
+    MakeTask(vime_trainer::demo::MakeTaskArgs),
 }
 
-fn main() -> Result<()> {
-    match Cli::parse().cmd {
-        Cmd::Logprobs {
+fn main() {
+    let cli = Cli::parse();
+    let code = match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("vime-train: error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    match cli.cmd {
+        None => {
+            let summary = vime_trainer::train::run(&cli.train)?;
+            if let Some(p) = &summary.metrics_file {
+                eprintln!("metrics: {}", p.display());
+            }
+            if let Some(p) = &summary.plot_file {
+                eprintln!("curves:  {}", p.display());
+            }
+            if let Some(p) = &summary.last_checkpoint {
+                eprintln!("last checkpoint: {}", p.display());
+            }
+            Ok(if summary.interrupted { 130 } else { 0 })
+        }
+        Some(Cmd::Logprobs {
             hf_checkpoint,
             input,
             output,
             dtype,
             device,
             max_tokens_per_batch,
-        } => {
+        }) => {
             let device = parse_device(&device)?;
             let dtype = parse_dtype(&dtype)?;
             let t0 = std::time::Instant::now();
@@ -59,7 +98,12 @@ fn main() -> Result<()> {
                 t0.elapsed().as_secs_f64(),
                 output.display()
             );
+            Ok(0)
+        }
+        Some(Cmd::MakeTask(args)) => {
+            let files = vime_trainer::demo::make_task(&args)?;
+            eprintln!("{files}");
+            Ok(0)
         }
     }
-    Ok(())
 }

@@ -1,0 +1,324 @@
+//! `vime-train`'s training flags: slime's names and defaults where slime has the flag, vime's own
+//! (documented as such) where it does not.
+use crate::optim::OptimizerArgs;
+use crate::rl::RlArgs;
+use anyhow::{bail, ensure, Context, Result};
+use std::path::PathBuf;
+use vime_rollout::data::DataArgs;
+use vime_rollout::vllm::VllmArgs;
+
+/// `--loss-type`: slime's `policy_loss` (RL) or `sft_loss` (supervised on `--label-key`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[value(rename_all = "snake_case")]
+pub enum LossType {
+    PolicyLoss,
+    #[value(alias = "sft")]
+    SftLoss,
+}
+
+/// Every flag of a training run.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainArgs {
+    // ---- model and checkpoints -----------------------------------------------------------
+    /// HF checkpoint to start from (config.json, safetensors, tokenizer files). Not needed when
+    /// `--load` holds a checkpoint.
+    #[arg(long)]
+    pub hf_checkpoint: Option<PathBuf>,
+    /// The reference model for the KL terms (an HF folder); default: `--hf-checkpoint`.
+    #[arg(long)]
+    pub ref_load: Option<PathBuf>,
+    /// The critic's initial weights for PPO (an HF folder, with or without a value head);
+    /// default: `--hf-checkpoint` with a fresh value head.
+    #[arg(long)]
+    pub critic_load: Option<PathBuf>,
+    /// Resume from the latest checkpoint in this folder (if it holds one).
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// Write checkpoints here (`iter_0000010/`, `latest_checkpointed_iteration.txt`).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Save every N rollouts (and after the last one).
+    #[arg(long)]
+    pub save_interval: Option<u64>,
+    /// vime: compute dtype of the policy, critic and reference (f32, bf16, f16).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// vime: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Megatron's seed: rollout sampling, eval sampling and the critic head's init derive from it.
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+
+    // ---- data and rollout ----------------------------------------------------------------
+    #[command(flatten)]
+    pub data: DataArgs,
+    /// Number of rollouts (training iterations) to run in total, counting resumed ones.
+    #[arg(long)]
+    pub num_rollout: Option<u64>,
+    /// Prompts per rollout.
+    #[arg(long, default_value_t = 8)]
+    pub rollout_batch_size: usize,
+    /// Samples generated per prompt (the GRPO group size).
+    #[arg(long, default_value_t = 1)]
+    pub n_samples_per_prompt: usize,
+    /// Samples per optimizer step; default: the whole rollout (one step per rollout).
+    #[arg(long)]
+    pub global_batch_size: Option<usize>,
+    /// Optimizer steps per rollout; sets `--global-batch-size` to rollout samples / N.
+    #[arg(long)]
+    pub num_steps_per_rollout: Option<usize>,
+    #[arg(long, default_value_t = 1024)]
+    pub rollout_max_response_len: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub rollout_temperature: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub rollout_top_p: f64,
+    #[arg(long, default_value_t = -1)]
+    pub rollout_top_k: i64,
+    /// Extra stop token ids (the tokenizer's EOS always stops).
+    #[arg(long, num_args = 1..)]
+    pub rollout_stop_token_ids: Vec<u32>,
+    /// vime: `embedded` (the built-in engine, in this process) or `vllm` (HTTP engines: vLLM or
+    /// vime-serve, see `--vllm-url`).
+    #[arg(long, default_value = "embedded")]
+    pub rollout_engine: String,
+    #[command(flatten)]
+    pub vllm: VllmArgs,
+
+    // ---- reward --------------------------------------------------------------------------
+    /// deepscaler, math, dapo, f1, exact_match, remote_rm, or boxed_<type>.
+    #[arg(long, default_value = "")]
+    pub rm_type: String,
+    #[arg(long)]
+    pub rm_url: Option<String>,
+    /// Field of a dict-valued reward to train on (e.g. dapo's `score`).
+    #[arg(long)]
+    pub reward_key: Option<String>,
+
+    // ---- training ------------------------------------------------------------------------
+    #[arg(long, value_enum, default_value_t = LossType::PolicyLoss)]
+    pub loss_type: LossType,
+    #[command(flatten)]
+    pub rl: RlArgs,
+    #[command(flatten)]
+    pub optim: OptimizerArgs,
+    /// The critic's learning rate (PPO); default `--lr`.
+    #[arg(long)]
+    pub critic_lr: Option<f64>,
+    /// Pack micro-batches by `--max-tokens-per-gpu` instead of `--micro-batch-size` samples.
+    #[arg(long)]
+    pub use_dynamic_batch_size: bool,
+    #[arg(long)]
+    pub max_tokens_per_gpu: Option<usize>,
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch_size: usize,
+    /// Megatron's activation recompute: `full` re-runs each layer's forward in its backward.
+    #[arg(long)]
+    pub recompute_granularity: Option<String>,
+
+    // ---- eval ----------------------------------------------------------------------------
+    /// Evaluate every N rollouts (and before the first one).
+    #[arg(long)]
+    pub eval_interval: Option<u64>,
+    /// Eval sets, as slime: `NAME PATH` pairs (a lone PATH is named after its file stem).
+    #[arg(long, num_args = 1..)]
+    pub eval_prompt_data: Vec<String>,
+    #[arg(long, default_value_t = 1)]
+    pub n_samples_per_eval_prompt: usize,
+    /// Default: `--rollout-max-response-len`.
+    #[arg(long)]
+    pub eval_max_response_len: Option<usize>,
+    /// Default: `--rollout-temperature`.
+    #[arg(long)]
+    pub eval_temperature: Option<f64>,
+    #[arg(long)]
+    pub eval_top_p: Option<f64>,
+    /// vime: a sample passes (for pass@k) when its reward is at least this.
+    #[arg(long, default_value_t = 1.0)]
+    pub eval_pass_threshold: f64,
+    /// slime: skip the evaluation before the first rollout.
+    #[arg(long)]
+    pub skip_eval_before_train: bool,
+
+    // ---- what a user watches (vime) ------------------------------------------------------
+    /// Folder for `metrics.jsonl`, `tensorboard/` and `curves.png`; default: `--save`.
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// No progress bars (they are also hidden when stderr is not a terminal).
+    #[arg(long)]
+    pub no_progress: bool,
+    /// vime, for tests: stop (as if killed) after this many rollouts of this process.
+    #[arg(long, hide = true)]
+    pub exit_after_rollouts: Option<u64>,
+}
+
+/// One `--eval-prompt-data` set.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalSet {
+    pub name: String,
+    pub path: PathBuf,
+}
+
+impl TrainArgs {
+    /// Samples per rollout.
+    pub fn rollout_samples(&self) -> usize {
+        let n = match self.loss_type {
+            LossType::PolicyLoss => self.n_samples_per_prompt,
+            LossType::SftLoss => 1,
+        };
+        self.rollout_batch_size * n
+    }
+
+    /// Samples per optimizer step, as slime resolves `--global-batch-size` /
+    /// `--num-steps-per-rollout`.
+    pub fn global_batch_size_resolved(&self) -> usize {
+        match (self.global_batch_size, self.num_steps_per_rollout) {
+            (Some(g), _) => g,
+            (None, Some(n)) => self.rollout_samples() / n.max(1),
+            (None, None) => self.rollout_samples(),
+        }
+    }
+
+    pub fn steps_per_rollout(&self) -> usize {
+        self.rollout_samples() / self.global_batch_size_resolved().max(1)
+    }
+
+    pub fn eval_sets(&self) -> Result<Vec<EvalSet>> {
+        let mut out = Vec::new();
+        let mut it = self.eval_prompt_data.iter().peekable();
+        while let Some(a) = it.next() {
+            let looks_like_path = |s: &str| s.contains('/') || s.ends_with(".jsonl") || s.contains('@');
+            if looks_like_path(a) {
+                let stem = PathBuf::from(a.split('@').next().unwrap_or(a));
+                let name = stem.file_stem().and_then(|s| s.to_str()).unwrap_or("eval").to_string();
+                out.push(EvalSet {
+                    name,
+                    path: PathBuf::from(a),
+                });
+            } else {
+                let path = it
+                    .next()
+                    .with_context(|| format!("--eval-prompt-data: the set {a:?} has no path after it"))?;
+                out.push(EvalSet {
+                    name: a.clone(),
+                    path: PathBuf::from(path),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every check that can run before anything is loaded; each error names the flag.
+    pub fn validate(&self) -> Result<()> {
+        self.rl.validate()?;
+        self.optim.validate()?;
+        ensure!(self.rollout_batch_size > 0, "--rollout-batch-size must be positive");
+        ensure!(self.n_samples_per_prompt > 0, "--n-samples-per-prompt must be positive");
+        ensure!(
+            self.rollout_max_response_len > 0,
+            "--rollout-max-response-len must be positive"
+        );
+        ensure!(self.micro_batch_size > 0, "--micro-batch-size must be positive");
+        ensure!(
+            self.num_rollout.is_some(),
+            "--num-rollout is required (the number of rollouts to run in total)"
+        );
+        ensure!(
+            self.data.prompt_data.is_some(),
+            "--prompt-data is required (a JSONL file of prompts)"
+        );
+        ensure!(
+            self.hf_checkpoint.is_some() || self.load.is_some(),
+            "--hf-checkpoint is required (or --load with a checkpoint to resume)"
+        );
+        let samples = self.rollout_samples();
+        let g = self.global_batch_size_resolved();
+        if let (Some(gb), Some(n)) = (self.global_batch_size, self.num_steps_per_rollout) {
+            ensure!(
+                gb * n == samples,
+                "--global-batch-size {gb} x --num-steps-per-rollout {n} != {samples} samples per rollout \
+                 (--rollout-batch-size x --n-samples-per-prompt)"
+            );
+        }
+        ensure!(
+            g > 0 && samples % g == 0,
+            "--global-batch-size {g} must divide the {samples} samples of a rollout \
+             (--rollout-batch-size {} x --n-samples-per-prompt {})",
+            self.rollout_batch_size,
+            if self.loss_type == LossType::SftLoss {
+                1
+            } else {
+                self.n_samples_per_prompt
+            }
+        );
+        if self.use_dynamic_batch_size {
+            ensure!(
+                self.max_tokens_per_gpu.is_some(),
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu"
+            );
+        }
+        if let Some(m) = self.max_tokens_per_gpu {
+            ensure!(m > 0, "--max-tokens-per-gpu must be positive");
+        }
+        match self.recompute_granularity.as_deref() {
+            None | Some("full") => {}
+            Some(other) => bail!("--recompute-granularity {other:?} is not supported (use full, or leave it out)"),
+        }
+        match self.rollout_engine.as_str() {
+            "embedded" => {}
+            "vllm" => ensure!(
+                !self.vllm.vllm_urls.is_empty() || self.vllm.vllm_launch,
+                "--rollout-engine vllm needs --vllm-url URL (or --vllm-launch)"
+            ),
+            other => bail!("--rollout-engine {other:?}: expected embedded or vllm"),
+        }
+        if self.loss_type == LossType::PolicyLoss {
+            ensure!(
+                !self.rm_type.trim().is_empty() || self.rm_url.is_some(),
+                "--rm-type is required for RL (e.g. deepscaler, math, exact_match)"
+            );
+            if matches!(
+                self.rl.advantage_estimator,
+                crate::rl::AdvantageEstimator::Grpo
+                    | crate::rl::AdvantageEstimator::Gspo
+                    | crate::rl::AdvantageEstimator::Cispo
+            ) && !self.rl.disable_rewards_normalization
+                && !self.rl.disable_grpo_std_normalization
+            {
+                ensure!(
+                    self.n_samples_per_prompt >= 2,
+                    "--advantage-estimator {:?} normalises rewards within each prompt's group: \
+                     --n-samples-per-prompt must be at least 2",
+                    self.rl.advantage_estimator
+                );
+            }
+        } else {
+            ensure!(
+                self.data.label_key.is_some(),
+                "--loss-type sft_loss trains on each row's label: set --label-key"
+            );
+        }
+        if let Some(i) = self.eval_interval {
+            ensure!(i > 0, "--eval-interval must be positive");
+            ensure!(
+                !self.eval_prompt_data.is_empty(),
+                "--eval-interval needs --eval-prompt-data NAME PATH"
+            );
+            ensure!(
+                !self.rm_type.trim().is_empty() || self.rm_url.is_some(),
+                "evaluation scores with --rm-type: set it"
+            );
+        }
+        ensure!(
+            self.n_samples_per_eval_prompt > 0,
+            "--n-samples-per-eval-prompt must be positive"
+        );
+        if let Some(s) = self.save_interval {
+            ensure!(s > 0, "--save-interval must be positive");
+            ensure!(self.save.is_some(), "--save-interval needs --save DIR");
+        }
+        self.eval_sets()?;
+        Ok(())
+    }
+}

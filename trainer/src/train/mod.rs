@@ -1,0 +1,1008 @@
+//! The RL loop (`vime-train` without a subcommand), in slime's order:
+//!
+//! ```text
+//! load (or resume from --load) -> [eval at step 0]
+//! for rollout in start..--num-rollout:
+//!     prompts  = the next --rollout-batch-size prompts (data cursor)
+//!     samples  = engine.generate(prompt x --n-samples-per-prompt)     (sft: prompt + label + eos)
+//!     rewards  = --rm-type on the decoded responses
+//!     old logp = policy forward; ref logp (KL terms); values (PPO critic)
+//!     adv, ret = crate::rl::compute_advantages_and_returns
+//!     --num-steps-per-rollout x (critic step if PPO; policy step unless critic-only warm-up)
+//!     engine  <- policy weights (in place for the built-in engine, an HF folder for HTTP ones)
+//!     eval every --eval-interval; metrics line; checkpoint every --save-interval
+//! ```
+//!
+//! Decisions:
+//! - The step counter is the number of finished rollouts. Metrics line `k` holds rollout `k-1`'s
+//!   rollout, train, perf and (when due) eval metrics; line 0 is the eval before training. A
+//!   checkpoint is written after its step's metrics line, so on `--load` the metrics file keeps
+//!   lines up to the checkpoint's step and continues from there.
+//! - Sampling seeds are derived from (`--seed`, rollout, sample) and (`--seed`, eval set, prompt,
+//!   sample): a resumed run generates exactly what the uninterrupted run would have, and every
+//!   evaluation uses the same random numbers (common random numbers: eval curves move with the
+//!   model, not with the sampler).
+//! - Old log-probs are recomputed by the policy before training (slime's default, not the engine's
+//!   log-probs); the engine's are kept to report `rollout/log_probs_abs_diff` (trainer vs rollout)
+//!   and for `--use-tis`.
+//! - Ctrl-C finishes the current phase, writes the plot and returns (a second Ctrl-C exits at
+//!   once). No checkpoint is written on interrupt; `--load` resumes from the last saved one.
+pub mod args;
+mod engine;
+pub mod eval;
+pub mod step;
+mod ui;
+
+pub use args::{EvalSet, LossType, TrainArgs};
+pub use engine::Engine;
+pub use step::Sample;
+
+use crate::batching::MicroBatchPolicy;
+use crate::ckpt::{self, CheckpointContents, DataCursor, TrainState};
+use crate::critic::{Critic, ReferenceModel};
+use crate::device::{parse_device, parse_dtype};
+use crate::metrics::{plot_metrics_file, MetricsLogger};
+use crate::optim::{AdamW, LrScheduler, OptimizerArgs};
+use crate::rl::{compute_advantages_and_returns, post_process_rewards, AdvantageInputs, NoAllReduce};
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use step::{PolicyData, StepConfig, StepReport};
+use ui::Ui;
+use vime_qwen3::model::{Qwen3, Recompute};
+use vime_rollout::data::{PromptDataset, PromptSample, Tokenizer};
+use vime_rollout::engine::{FinishReason, GenOutput, GenRequest, SamplingParams};
+use vime_rollout::reward::{RewardModel, RewardSample};
+
+pub use ui::interrupted;
+
+/// What a finished (or interrupted) run reports.
+#[derive(Debug, Clone, Default)]
+pub struct RunSummary {
+    /// The step counter at the end (finished rollouts, resumed ones included).
+    pub final_step: u64,
+    /// Rollouts run by this call.
+    pub rollouts_run: u64,
+    /// The last metrics line's eval metrics (empty without eval).
+    pub last_eval: BTreeMap<String, f64>,
+    /// The eval metrics of the first evaluation of this call.
+    pub first_eval: BTreeMap<String, f64>,
+    pub metrics_file: Option<PathBuf>,
+    pub plot_file: Option<PathBuf>,
+    pub last_checkpoint: Option<PathBuf>,
+    pub interrupted: bool,
+}
+
+/// SplitMix64 finaliser: a stateless mixer for per-sample seeds.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn seed_of(parts: &[u64]) -> u64 {
+    parts.iter().fold(0x5EED_u64, |acc, &p| mix(acc ^ mix(p)))
+}
+
+const EVAL_STREAM: u64 = 0xE7A1;
+const ROLLOUT_STREAM: u64 = 0x7011;
+
+/// Everything the loop holds.
+struct Run<'a> {
+    args: &'a TrainArgs,
+    tokenizer: Tokenizer,
+    tokenizer_dir: PathBuf,
+    eos_ids: Vec<u32>,
+    policy: Qwen3,
+    opt: AdamW,
+    sched: LrScheduler,
+    reference: Option<ReferenceModel>,
+    critic: Option<(Critic, AdamW, LrScheduler)>,
+    dataset: PromptDataset,
+    eval_sets: Vec<(String, PromptDataset)>,
+    reward: Option<RewardModel>,
+    rt: tokio::runtime::Runtime,
+    engine: Engine,
+    state: TrainState,
+    micro_batches: MicroBatchPolicy,
+    recompute: Recompute,
+    ui: Ui,
+}
+
+/// Runs (or resumes) a training run to `--num-rollout`.
+pub fn run(args: &TrainArgs) -> Result<RunSummary> {
+    args.validate()?;
+    ui::install_interrupt_handler();
+    let mut run = Run::setup(args)?;
+    run.main_loop()
+}
+
+fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
+    Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))
+}
+
+impl<'a> Run<'a> {
+    fn setup(args: &'a TrainArgs) -> Result<Self> {
+        let device = parse_device(&args.device)?;
+        let dtype = parse_dtype(&args.dtype)?;
+        let ui = Ui::new(args.no_progress);
+
+        let resumed = match &args.load {
+            Some(root) => ckpt::load_latest(root, &device)
+                .with_context(|| format!("reading the checkpoints in --load {}", root.display()))?,
+            None => None,
+        };
+        let model_dir = match (&resumed, &args.hf_checkpoint) {
+            (Some(l), _) => l.hf_dir(),
+            (None, Some(hf)) => hf.clone(),
+            (None, None) => bail!(
+                "--load {} holds no checkpoint yet and --hf-checkpoint is not set: nothing to start from",
+                args.load.as_deref().unwrap_or(Path::new("")).display()
+            ),
+        };
+        let tokenizer_dir = args.hf_checkpoint.clone().unwrap_or_else(|| model_dir.clone());
+        let tokenizer = load_tokenizer(&tokenizer_dir)?;
+
+        let policy = Qwen3::load_hf(&model_dir, dtype, &device)
+            .with_context(|| format!("loading the policy from {}", model_dir.display()))?;
+        let cfg = policy.config().clone();
+        ensure!(
+            tokenizer.vocab_size() <= cfg.vocab_size,
+            "the tokenizer of {} has {} tokens but the model's vocab_size is {}",
+            tokenizer_dir.display(),
+            tokenizer.vocab_size(),
+            cfg.vocab_size
+        );
+        let mut opt = AdamW::new(policy.named_parameters(), &args.optim)?;
+        let sched = LrScheduler::new(&args.optim)?;
+
+        let mut state = TrainState {
+            rng: args.seed,
+            data: DataCursor {
+                seed: args.data.rollout_seed,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        if let Some(l) = &resumed {
+            opt.load_state_tensors(&l.optimizer, l.state.optimizer_step)
+                .with_context(|| format!("loading the optimizer state of {}", l.dir.display()))?;
+            state = l.state.clone();
+            ui.log(&format!(
+                "resuming from {} (step {}, {} optimizer steps)",
+                l.dir.display(),
+                state.step,
+                state.optimizer_step
+            ));
+        }
+
+        let policy_loss = args.loss_type == LossType::PolicyLoss;
+        let needs_ref = policy_loss && (args.rl.use_kl_loss || args.rl.kl_coef != 0.0);
+        let reference = if needs_ref {
+            let dir = args
+                .ref_load
+                .as_ref()
+                .or(args.hf_checkpoint.as_ref())
+                .context("the KL terms need a reference model: pass --ref-load (or --hf-checkpoint)")?;
+            Some(ReferenceModel::load(dir, dtype, &device)?)
+        } else {
+            None
+        };
+
+        let critic = if policy_loss && args.rl.use_critic() {
+            let critic = match resumed.as_ref().and_then(|l| l.critic_dir()) {
+                Some(dir) => Critic::load(&dir, dtype, &device)?,
+                None => {
+                    let dir = args
+                        .critic_load
+                        .as_ref()
+                        .or(args.hf_checkpoint.as_ref())
+                        .context("PPO needs a critic: pass --critic-load (or --hf-checkpoint)")?;
+                    if Critic::has_value_head(dir) {
+                        Critic::load(dir, dtype, &device)?
+                    } else {
+                        Critic::init_from_hf(dir, dtype, &device, seed_of(&[args.seed, 0xC121]))?
+                    }
+                }
+            };
+            let critic_args = OptimizerArgs {
+                lr: args.critic_lr.unwrap_or(args.optim.lr),
+                ..args.optim.clone()
+            };
+            let mut copt = AdamW::new(&critic.named_parameters(), &critic_args)?;
+            if let Some(l) = &resumed {
+                if !l.critic_optimizer.is_empty() {
+                    let steps = l
+                        .state
+                        .extra
+                        .get("critic_optimizer_step")
+                        .and_then(|v| v.as_u64())
+                        .unwrap_or(0);
+                    copt.load_state_tensors(&l.critic_optimizer, steps)?;
+                }
+            }
+            Some((critic, copt, LrScheduler::new(&critic_args)?))
+        } else {
+            None
+        };
+
+        let mut dataset = PromptDataset::from_args(&args.data, &tokenizer)?;
+        if resumed.is_some() {
+            dataset.set_cursor(vime_rollout::data::DataCursor {
+                epoch: state.data.epoch,
+                offset: state.data.offset,
+                seed: state.data.seed,
+            })?;
+        }
+        let mut eval_sets = Vec::new();
+        let eval_data_args = vime_rollout::data::DataArgs {
+            rollout_shuffle: false,
+            ..args.data.clone()
+        };
+        for set in args.eval_sets()? {
+            let ds = PromptDataset::load(&set.path, &eval_data_args, &tokenizer)
+                .with_context(|| format!("loading --eval-prompt-data {} {}", set.name, set.path.display()))?;
+            eval_sets.push((set.name, ds));
+        }
+        let reward = if !args.rm_type.trim().is_empty() || args.rm_url.is_some() {
+            Some(RewardModel::new(&args.rm_type, args.rm_url.as_deref())?)
+        } else {
+            None
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting the reward runtime")?;
+
+        let mut eos_ids: Vec<u32> = cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default();
+        if let Some(e) = tokenizer.eos_token_id() {
+            if !eos_ids.contains(&e) {
+                eos_ids.push(e);
+            }
+        }
+        let engine = match args.rollout_engine.as_str() {
+            "embedded" => Engine::embedded(&policy, eos_ids.clone(), args.seed)?,
+            _ => {
+                let sync_dir = args
+                    .save
+                    .clone()
+                    .unwrap_or_else(|| std::env::temp_dir().join(format!("vime-sync-{}", std::process::id())))
+                    .join("weights-for-engines");
+                let e = Engine::remote(&args.vllm, &model_dir, sync_dir)?;
+                if resumed.is_some() {
+                    e.sync_weights(&policy, &tokenizer_dir)?;
+                }
+                e
+            }
+        };
+
+        let micro_batches = match args.max_tokens_per_gpu {
+            Some(m) => MicroBatchPolicy::Dynamic { max_tokens_per_gpu: m },
+            None => MicroBatchPolicy::Fixed {
+                micro_batch_size: args.micro_batch_size,
+            },
+        };
+        let recompute = match args.recompute_granularity.as_deref() {
+            Some("full") => Recompute::Full,
+            _ => Recompute::None,
+        };
+        ui.log(&format!(
+            "policy: {} parameters, {} layers, hidden {}, vocab {} ({:?} on {:?}); {} prompts in {}; \
+             {} samples per rollout, {} optimizer step(s) per rollout",
+            cfg.num_parameters(),
+            cfg.num_hidden_layers,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            dtype,
+            device,
+            dataset.len(),
+            dataset.path().display(),
+            args.rollout_samples(),
+            args.steps_per_rollout()
+        ));
+        Ok(Run {
+            args,
+            tokenizer,
+            tokenizer_dir,
+            eos_ids,
+            policy,
+            opt,
+            sched,
+            reference,
+            critic,
+            dataset,
+            eval_sets,
+            reward,
+            rt,
+            engine,
+            state,
+            micro_batches,
+            recompute,
+            ui,
+        })
+    }
+
+    fn log_dir(&self) -> Option<PathBuf> {
+        self.args.log_dir.clone().or_else(|| self.args.save.clone())
+    }
+
+    fn main_loop(&mut self) -> Result<RunSummary> {
+        let args = self.args;
+        let num_rollout = args.num_rollout.unwrap_or(0);
+        let resumed_at = (self.state.step > 0).then_some(self.state.step);
+        let log_dir = self.log_dir();
+        let metrics_path = log_dir.as_ref().map(|d| d.join("metrics.jsonl"));
+        let plot_path = log_dir.as_ref().map(|d| d.join("curves.png"));
+        let mut logger = MetricsLogger::open(
+            metrics_path.as_deref(),
+            log_dir.as_ref().map(|d| d.join("tensorboard")).as_deref(),
+            resumed_at,
+        )?;
+        let mut summary = RunSummary {
+            metrics_file: metrics_path.clone(),
+            plot_file: plot_path.clone(),
+            ..Default::default()
+        };
+
+        if self.state.step == 0 && args.eval_interval.is_some() && !args.skip_eval_before_train {
+            let t = Instant::now();
+            let mut m = self.evaluate()?;
+            m.insert("perf/eval_time".into(), t.elapsed().as_secs_f64());
+            self.ui.log(&format!("step 0 | {}", eval_brief(&m)));
+            logger.log(0, &m)?;
+            summary.first_eval = eval_only(&m);
+            summary.last_eval = summary.first_eval.clone();
+            self.plot(metrics_path.as_deref(), plot_path.as_deref());
+        }
+
+        let bar = self.ui.main_bar(num_rollout, self.state.step);
+        let mut save_time = None;
+        while self.state.step < num_rollout {
+            if interrupted() {
+                summary.interrupted = true;
+                break;
+            }
+            let rollout_id = self.state.step;
+            let mut m = self.one_rollout(rollout_id)?;
+            if let Some(t) = save_time.take() {
+                m.insert("perf/save_time".into(), t);
+            }
+            self.state.step += 1;
+            self.state.rollout_id = self.state.step;
+            self.state.optimizer_step = self.opt.num_steps();
+            let c = self.dataset.cursor();
+            self.state.data = DataCursor {
+                epoch: c.epoch,
+                offset: c.offset,
+                seed: c.seed,
+            };
+            if let Some((_, copt, _)) = &self.critic {
+                self.state.extra = serde_json::json!({ "critic_optimizer_step": copt.num_steps() });
+            }
+            let step = self.state.step;
+            let due = |interval: Option<u64>| interval.is_some_and(|i| step % i == 0) || step == num_rollout;
+            if args.eval_interval.is_some() && due(args.eval_interval) {
+                if interrupted() {
+                    summary.interrupted = true;
+                } else {
+                    let t = Instant::now();
+                    let e = self.evaluate()?;
+                    m.insert("perf/eval_time".into(), t.elapsed().as_secs_f64());
+                    if summary.first_eval.is_empty() {
+                        summary.first_eval = eval_only(&e);
+                    }
+                    summary.last_eval = eval_only(&e);
+                    m.extend(e);
+                }
+            }
+            logger.log(step, &m)?;
+            self.ui.log(&format!("step {step} | {}", brief(&m)));
+            bar.set_position(step);
+            bar.set_message(short(&m));
+            self.plot(metrics_path.as_deref(), plot_path.as_deref());
+            summary.rollouts_run += 1;
+            if args.save.is_some() && due(args.save_interval) {
+                let t = Instant::now();
+                summary.last_checkpoint = Some(self.save()?);
+                save_time = Some(t.elapsed().as_secs_f64());
+            }
+            if summary.interrupted {
+                break;
+            }
+        }
+        bar.finish();
+        if summary.interrupted {
+            self.ui.log(&format!(
+                "interrupted after step {}; resume with --load {}",
+                self.state.step,
+                args.save
+                    .as_deref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or("<no --save>".into())
+            ));
+        }
+        summary.final_step = self.state.step;
+        self.plot(metrics_path.as_deref(), plot_path.as_deref());
+        Ok(summary)
+    }
+
+    fn plot(&self, metrics: Option<&Path>, png: Option<&Path>) {
+        let (Some(metrics), Some(png)) = (metrics, png) else {
+            return;
+        };
+        let mut eval_keys: Vec<String> = Vec::new();
+        for (name, _) in &self.eval_sets {
+            eval_keys.push(format!("eval/{name}/pass@1"));
+            for k in eval::reported_ks(self.args.n_samples_per_eval_prompt)
+                .into_iter()
+                .skip(1)
+            {
+                eval_keys.push(format!("eval/{name}/pass@{k}"));
+            }
+        }
+        let eval_refs: Vec<&str> = eval_keys.iter().map(String::as_str).collect();
+        let panels: Vec<(&str, &[&str])> = vec![
+            ("reward", &["rollout/raw_reward", "rollout/pass_rate"]),
+            ("eval", &eval_refs),
+            ("response length", &["rollout/response_len"]),
+            ("loss", &["train/pg_loss", "train/loss"]),
+            (
+                "entropy / KL",
+                &["train/entropy_loss", "train/ppo_kl", "train/kl_loss", "rollout/kl"],
+            ),
+            ("grad norm", &["train/grad_norm", "critic/grad_norm"]),
+            (
+                "throughput (tokens/s)",
+                &["perf/rollout_tokens_per_s", "perf/train_tokens_per_s"],
+            ),
+            (
+                "seconds",
+                &[
+                    "perf/rollout_time",
+                    "perf/train_time",
+                    "perf/eval_time",
+                    "perf/sync_time",
+                ],
+            ),
+        ];
+        if let Err(e) = plot_metrics_file(metrics, png, "vime-train", &panels) {
+            self.ui
+                .log(&format!("warning: could not write {}: {e:#}", png.display()));
+        }
+    }
+
+    fn save(&mut self) -> Result<PathBuf> {
+        let root = self.args.save.clone().context("internal: save without --save")?;
+        let optimizer = self.opt.state_tensors()?;
+        let critic_state = match &self.critic {
+            Some((_, copt, _)) => Some(copt.state_tensors()?),
+            None => None,
+        };
+        let extra = BTreeMap::new();
+        let contents = CheckpointContents {
+            state: &self.state,
+            model: &self.policy,
+            model_dtype: self.policy.dtype(),
+            optimizer: &optimizer,
+            extra_tensors: &extra,
+            tokenizer_dir: Some(&self.tokenizer_dir),
+            critic: match (&self.critic, &critic_state) {
+                (Some((c, _, _)), Some(s)) => Some((c, s)),
+                _ => None,
+            },
+        };
+        let dir = ckpt::save(&root, &contents)?;
+        self.ui.log(&format!("saved {}", dir.display()));
+        Ok(dir)
+    }
+
+    fn sampling(&self, temperature: f64, top_p: f64, max_tokens: usize, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_p,
+            top_k: self.args.rollout_top_k,
+            max_tokens,
+            stop_token_ids: self.args.rollout_stop_token_ids.clone(),
+            seed: Some(seed),
+        }
+    }
+
+    /// Scores decoded responses; one reward per output.
+    fn rewards(&self, prompts: &[&PromptSample], responses: &[String]) -> Result<Vec<f64>> {
+        let rm = self.reward.as_ref().context("no --rm-type to score samples with")?;
+        let samples: Vec<RewardSample> = prompts
+            .iter()
+            .zip(responses)
+            .map(|(p, r)| RewardSample {
+                prompt: serde_json::Value::String(p.prompt.clone()),
+                response: r.clone(),
+                label: p.label_text(),
+                rm_type: p.metadata.get("rm_type").and_then(|v| v.as_str()).map(str::to_string),
+            })
+            .collect();
+        let rewards = self.rt.block_on(rm.score_batch(&samples))?;
+        rewards
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                r.value(self.args.reward_key.as_deref())
+                    .with_context(|| format!("reward of sample {i}"))
+            })
+            .collect()
+    }
+
+    fn decode(&self, out: &GenOutput) -> Result<String> {
+        self.tokenizer.decode(&out.token_ids, true)
+    }
+
+    fn generate_samples(&mut self, prompts: &[PromptSample], rollout_id: u64) -> Result<Vec<Sample>> {
+        let args = self.args;
+        let n = args.n_samples_per_prompt;
+        let mut requests = Vec::with_capacity(prompts.len() * n);
+        let mut owners: Vec<&PromptSample> = Vec::with_capacity(prompts.len() * n);
+        for p in prompts {
+            for _ in 0..n {
+                let i = requests.len() as u64;
+                requests.push(GenRequest {
+                    prompt_ids: p.prompt_ids.clone(),
+                    params: self.sampling(
+                        args.rollout_temperature,
+                        args.rollout_top_p,
+                        args.rollout_max_response_len,
+                        seed_of(&[args.seed, ROLLOUT_STREAM, rollout_id, i]),
+                    ),
+                });
+                owners.push(p);
+            }
+        }
+        let outputs = self.engine.generate(&requests).context("generating the rollout")?;
+        ensure!(
+            outputs.len() == requests.len(),
+            "the engine returned {} completions for {} requests",
+            outputs.len(),
+            requests.len()
+        );
+        let responses: Vec<String> = outputs.iter().map(|o| self.decode(o)).collect::<Result<_>>()?;
+        let rewards = self.rewards(&owners, &responses)?;
+        let mut samples = Vec::with_capacity(outputs.len());
+        for (((p, out), response), reward) in owners.iter().zip(outputs).zip(responses).zip(rewards) {
+            ensure!(
+                !out.token_ids.is_empty(),
+                "the engine returned an empty completion for prompt {} (line {})",
+                p.index,
+                p.line
+            );
+            let mut tokens = p.prompt_ids.clone();
+            tokens.extend_from_slice(&out.token_ids);
+            samples.push(Sample {
+                prompt_index: p.index,
+                response_length: out.token_ids.len(),
+                tokens,
+                rollout_log_probs: Some(out.logprobs),
+                response,
+                label: p.label_text(),
+                raw_reward: reward,
+                finish: out.finish_reason,
+            });
+        }
+        Ok(samples)
+    }
+
+    fn sft_samples(&self, prompts: &[PromptSample]) -> Result<Vec<Sample>> {
+        let eos = *self
+            .eos_ids
+            .first()
+            .context("SFT needs an EOS token: the tokenizer and config name none")?;
+        prompts
+            .iter()
+            .map(|p| {
+                let label = p.label_text().with_context(|| {
+                    format!(
+                        "{}:{}: the row has no label to train on",
+                        self.dataset.path().display(),
+                        p.line
+                    )
+                })?;
+                let mut resp = self.tokenizer.encode(&label)?;
+                resp.push(eos);
+                let mut tokens = p.prompt_ids.clone();
+                tokens.extend_from_slice(&resp);
+                ensure!(
+                    !p.prompt_ids.is_empty(),
+                    "{}:{}: empty prompt",
+                    self.dataset.path().display(),
+                    p.line
+                );
+                Ok(Sample {
+                    prompt_index: p.index,
+                    response_length: resp.len(),
+                    tokens,
+                    rollout_log_probs: None,
+                    response: label.clone(),
+                    label: Some(label),
+                    raw_reward: 0.0,
+                    finish: FinishReason::Stop,
+                })
+            })
+            .collect()
+    }
+
+    fn one_rollout(&mut self, rollout_id: u64) -> Result<BTreeMap<String, f64>> {
+        let args = self.args;
+        let mut m = BTreeMap::new();
+        let prompts: Vec<PromptSample> = self
+            .dataset
+            .next_batch(args.rollout_batch_size)
+            .into_iter()
+            .cloned()
+            .collect();
+        let is_rl = args.loss_type == LossType::PolicyLoss;
+
+        // Rollout.
+        let t = Instant::now();
+        let phase = self.ui.spinner(if is_rl { "rollout" } else { "batch" });
+        let samples = if is_rl {
+            self.generate_samples(&prompts, rollout_id)?
+        } else {
+            self.sft_samples(&prompts)?
+        };
+        phase.finish_and_clear();
+        let rollout_time = t.elapsed().as_secs_f64();
+        let gen_tokens: usize = samples.iter().map(|s| s.response_length).sum();
+        if is_rl {
+            m.insert("perf/rollout_time".into(), rollout_time);
+            m.insert(
+                "perf/rollout_tokens_per_s".into(),
+                gen_tokens as f64 / rollout_time.max(1e-9),
+            );
+            rollout_metrics(&samples, args, &mut m);
+            if let Some(s) = samples.first() {
+                let prompt = self
+                    .tokenizer
+                    .decode(&s.tokens[..s.tokens.len() - s.response_length], false)?;
+                self.ui.log(&format!(
+                    "  sample: {:?} -> {:?} (label {:?}, reward {})",
+                    prompt,
+                    s.response,
+                    s.label.as_deref().unwrap_or(""),
+                    s.raw_reward
+                ));
+            }
+        }
+
+        // Scoring passes.
+        let t = Instant::now();
+        let n = samples.len();
+        let spinner = self.ui.spinner("log-probs");
+        let (old_logp, ref_logp, values) = if is_rl {
+            let old = step::score_responses(&samples, self.micro_batches, |b| {
+                Ok(self.policy.logprobs_entropy(b)?.logprobs)
+            })?;
+            let reference = match &self.reference {
+                Some(r) => Some(step::score_responses(&samples, self.micro_batches, |b| r.logprobs(b))?),
+                None => None,
+            };
+            let values = match &self.critic {
+                Some((c, _, _)) => Some(step::score_responses(&samples, self.micro_batches, |b| c.values(b))?),
+                None => None,
+            };
+            (old, reference, values)
+        } else {
+            (Vec::new(), None, None)
+        };
+        spinner.finish_and_clear();
+        if is_rl {
+            m.insert("perf/log_probs_time".into(), t.elapsed().as_secs_f64());
+            let flat = |v: &[Vec<f32>]| v.iter().flatten().map(|&x| x as f64).collect::<Vec<f64>>();
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+            let old_flat = flat(&old_logp);
+            m.insert("rollout/log_probs".into(), mean(&old_flat));
+            let roll: Vec<f64> = samples
+                .iter()
+                .flat_map(|s| s.rollout_log_probs.iter().flatten().map(|&x| x as f64))
+                .collect();
+            if roll.len() == old_flat.len() {
+                let d: Vec<f64> = roll.iter().zip(&old_flat).map(|(a, b)| (a - b).abs()).collect();
+                m.insert("rollout/log_probs_abs_diff".into(), mean(&d));
+                m.insert(
+                    "rollout/log_probs_max_abs_diff".into(),
+                    d.iter().cloned().fold(0.0, f64::max),
+                );
+            }
+            if let Some(r) = &ref_logp {
+                let rf = flat(r);
+                m.insert("rollout/ref_log_probs".into(), mean(&rf));
+                let kl: Vec<f64> = old_flat.iter().zip(&rf).map(|(a, b)| a - b).collect();
+                m.insert("rollout/kl".into(), mean(&kl));
+            }
+            if let Some(v) = &values {
+                m.insert("rollout/values".into(), mean(&flat(v)));
+            }
+        }
+
+        // Advantages.
+        let (advantages, returns) = if is_rl {
+            let raw: Vec<f64> = samples.iter().map(|s| s.raw_reward).collect();
+            let rewards = post_process_rewards(&args.rl, &raw, args.n_samples_per_prompt, args.rollout_batch_size)?;
+            let mut cu = vec![0usize];
+            for s in &samples {
+                cu.push(cu.last().unwrap() + s.response_length);
+            }
+            let total = *cu.last().unwrap();
+            let flat = |v: &[Vec<f32>]| v.iter().flatten().map(|&x| x as f64).collect::<Vec<f64>>();
+            let old_flat = flat(&old_logp);
+            let ref_flat = ref_logp.as_deref().map(flat);
+            let val_flat = values.as_deref().map(flat);
+            let mask = vec![1.0; total];
+            let out = compute_advantages_and_returns(
+                &args.rl,
+                &AdvantageInputs {
+                    cu_seqlens: &cu,
+                    rewards: &rewards,
+                    loss_mask: &mask,
+                    log_probs: Some(&old_flat),
+                    ref_log_probs: ref_flat.as_deref(),
+                    values: val_flat.as_deref(),
+                },
+                &NoAllReduce,
+            )?;
+            let split = |v: &[f64]| -> Vec<Vec<f32>> {
+                cu.windows(2)
+                    .map(|w| v[w[0]..w[1]].iter().map(|&x| x as f32).collect())
+                    .collect()
+            };
+            m.insert(
+                "rollout/advantages".into(),
+                out.advantages.iter().sum::<f64>() / total.max(1) as f64,
+            );
+            m.insert("rollout/rewards".into(), rewards.iter().sum::<f64>() / n.max(1) as f64);
+            (split(&out.advantages), split(&out.returns))
+        } else {
+            (Vec::new(), Vec::new())
+        };
+
+        // Optimizer steps.
+        let t = Instant::now();
+        let g = args.global_batch_size_resolved();
+        let steps = n / g;
+        let bar = self.ui.steps_bar(steps as u64, if is_rl { "train" } else { "sft" });
+        let mut reports: Vec<StepReport> = Vec::new();
+        let mut critic_reports: Vec<StepReport> = Vec::new();
+        let train_actor = !is_rl || args.rl.train_actor(rollout_id);
+        for s in 0..steps {
+            let idx: Vec<usize> = (s * g..(s + 1) * g).collect();
+            if let (Some(v), true) = (&values, is_rl) {
+                let cfg = StepConfig {
+                    rl: &args.rl,
+                    micro_batches: self.micro_batches,
+                    recompute: self.recompute,
+                    clip_grad: args.optim.clip_grad,
+                };
+                let (critic, copt, csched) = self.critic.as_mut().context("internal: values without a critic")?;
+                critic_reports.push(step::critic_step(
+                    critic, copt, csched, &cfg, &samples, &idx, v, &returns,
+                )?);
+            }
+            if train_actor {
+                let cfg = StepConfig {
+                    rl: &args.rl,
+                    micro_batches: self.micro_batches,
+                    recompute: self.recompute,
+                    clip_grad: args.optim.clip_grad,
+                };
+                let r = if is_rl {
+                    step::policy_step(
+                        &self.policy,
+                        &mut self.opt,
+                        &self.sched,
+                        &cfg,
+                        &samples,
+                        &idx,
+                        &PolicyData {
+                            advantages: &advantages,
+                            old_log_probs: &old_logp,
+                            ref_log_probs: ref_logp.as_deref(),
+                        },
+                    )?
+                } else {
+                    step::sft_step(&self.policy, &mut self.opt, &self.sched, &cfg, &samples, &idx)?
+                };
+                reports.push(r);
+            }
+            bar.inc(1);
+            if interrupted() {
+                break;
+            }
+        }
+        bar.finish_and_clear();
+        let train_time = t.elapsed().as_secs_f64();
+        m.insert("perf/train_time".into(), train_time);
+        let trained: usize = reports.iter().chain(&critic_reports).map(|r| r.tokens).sum();
+        m.insert("perf/train_tokens_per_s".into(), trained as f64 / train_time.max(1e-9));
+        average_reports(&reports, "train", &mut m);
+        average_reports(&critic_reports, "critic", &mut m);
+        if !is_rl {
+            m.insert("perf/sft_tokens".into(), trained as f64);
+        }
+
+        // Weight sync: the engine samples the next rollout (RL) or the evaluation.
+        let step_after = rollout_id + 1;
+        let eval_due = args.eval_interval.is_some_and(|i| step_after % i == 0)
+            || (args.eval_interval.is_some() && Some(step_after) == args.num_rollout);
+        if is_rl || eval_due {
+            let t = Instant::now();
+            let bytes = self.engine.sync_weights(&self.policy, &self.tokenizer_dir)?;
+            let dt = t.elapsed().as_secs_f64();
+            m.insert("perf/sync_time".into(), dt);
+            m.insert("perf/sync_gb_per_s".into(), bytes as f64 / 1e9 / dt.max(1e-9));
+        }
+        m.insert("perf/step_time".into(), rollout_time + train_time);
+        Ok(m)
+    }
+
+    /// Evaluates every eval set with the engine's current weights.
+    fn evaluate(&mut self) -> Result<BTreeMap<String, f64>> {
+        let args = self.args;
+        let n = args.n_samples_per_eval_prompt;
+        let temperature = args.eval_temperature.unwrap_or(args.rollout_temperature);
+        let top_p = args.eval_top_p.unwrap_or(args.rollout_top_p);
+        let max_tokens = args.eval_max_response_len.unwrap_or(args.rollout_max_response_len);
+        let mut m = BTreeMap::new();
+        let spinner = self.ui.spinner("eval");
+        for (si, (name, ds)) in self.eval_sets.iter().enumerate() {
+            let mut requests = Vec::new();
+            let mut owners = Vec::new();
+            for p in ds.samples() {
+                for k in 0..n {
+                    requests.push(GenRequest {
+                        prompt_ids: p.prompt_ids.clone(),
+                        params: self.sampling(
+                            temperature,
+                            top_p,
+                            max_tokens,
+                            seed_of(&[args.seed, EVAL_STREAM, si as u64, p.index as u64, k as u64]),
+                        ),
+                    });
+                    owners.push(p);
+                }
+            }
+            let t = Instant::now();
+            let outputs = self
+                .engine
+                .generate(&requests)
+                .with_context(|| format!("evaluating {name}"))?;
+            let gen_time = t.elapsed().as_secs_f64();
+            let responses: Vec<String> = outputs.iter().map(|o| self.decode(o)).collect::<Result<_>>()?;
+            let rewards = self.rewards(&owners, &responses)?;
+            let total = rewards.len().max(1) as f64;
+            m.insert(format!("eval/{name}/reward"), rewards.iter().sum::<f64>() / total);
+            let lens: usize = outputs.iter().map(|o| o.token_ids.len()).sum();
+            m.insert(format!("eval/{name}/response_len"), lens as f64 / total);
+            let truncated = outputs
+                .iter()
+                .filter(|o| o.finish_reason == FinishReason::Length)
+                .count();
+            m.insert(format!("eval/{name}/truncated"), truncated as f64 / total);
+            m.insert(format!("eval/{name}/tokens_per_s"), lens as f64 / gen_time.max(1e-9));
+            let passes: Vec<usize> = rewards
+                .chunks(n)
+                .map(|c| c.iter().filter(|&&r| r >= args.eval_pass_threshold).count())
+                .collect();
+            for k in eval::reported_ks(n) {
+                let p = passes.iter().map(|&c| eval::pass_at_k(n, c, k)).sum::<f64>() / passes.len().max(1) as f64;
+                m.insert(format!("eval/{name}/pass@{k}"), p);
+            }
+        }
+        spinner.finish_and_clear();
+        Ok(m)
+    }
+}
+
+fn rollout_metrics(samples: &[Sample], args: &TrainArgs, m: &mut BTreeMap<String, f64>) {
+    let n = samples.len().max(1) as f64;
+    let rewards: Vec<f64> = samples.iter().map(|s| s.raw_reward).collect();
+    let mean = rewards.iter().sum::<f64>() / n;
+    let var = rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n;
+    m.insert("rollout/raw_reward".into(), mean);
+    m.insert("rollout/raw_reward_std".into(), var.sqrt());
+    let passed = rewards.iter().filter(|&&r| r >= args.eval_pass_threshold).count();
+    m.insert("rollout/pass_rate".into(), passed as f64 / n);
+    let lens: Vec<usize> = samples.iter().map(|s| s.response_length).collect();
+    m.insert("rollout/response_len".into(), lens.iter().sum::<usize>() as f64 / n);
+    m.insert(
+        "rollout/response_len_max".into(),
+        *lens.iter().max().unwrap_or(&0) as f64,
+    );
+    let truncated = samples.iter().filter(|s| s.finish == FinishReason::Length).count();
+    m.insert("rollout/truncated".into(), truncated as f64 / n);
+    // Groups whose samples all got the same reward carry no GRPO signal.
+    let g = args.n_samples_per_prompt.max(1);
+    let groups: Vec<&[f64]> = rewards.chunks(g).collect();
+    let flat = groups.iter().filter(|c| c.iter().all(|&r| r == c[0])).count();
+    m.insert(
+        "rollout/zero_std_groups".into(),
+        flat as f64 / groups.len().max(1) as f64,
+    );
+}
+
+fn average_reports(reports: &[StepReport], prefix: &str, m: &mut BTreeMap<String, f64>) {
+    if reports.is_empty() {
+        return;
+    }
+    let k = reports.len() as f64;
+    let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+    for r in reports {
+        for (name, v) in &r.metrics {
+            *sums.entry(name.clone()).or_default() += v;
+        }
+        *sums.entry("grad_norm".into()).or_default() += r.grad_norm;
+        *sums.entry("lr".into()).or_default() += r.lr;
+        *sums.entry("micro_batches".into()).or_default() += r.micro_batches as f64;
+    }
+    for (name, v) in sums {
+        m.insert(format!("{prefix}/{name}"), v / k);
+    }
+    m.insert(format!("{prefix}/steps"), k);
+}
+
+fn eval_only(m: &BTreeMap<String, f64>) -> BTreeMap<String, f64> {
+    m.iter()
+        .filter(|(k, _)| k.starts_with("eval/"))
+        .map(|(k, v)| (k.clone(), *v))
+        .collect()
+}
+
+fn eval_brief(m: &BTreeMap<String, f64>) -> String {
+    m.iter()
+        .filter(|(k, _)| k.starts_with("eval/") && k.contains("pass@"))
+        .map(|(k, v)| format!("{} {:.3}", &k[5..], v))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn short(m: &BTreeMap<String, f64>) -> String {
+    let get = |k: &str| m.get(k).copied();
+    let mut parts = Vec::new();
+    if let Some(r) = get("rollout/raw_reward") {
+        parts.push(format!("reward {r:.3}"));
+    }
+    if let Some(l) = get("train/loss") {
+        parts.push(format!("loss {l:.4}"));
+    }
+    parts.join(" ")
+}
+
+fn brief(m: &BTreeMap<String, f64>) -> String {
+    let get = |k: &str| m.get(k).copied();
+    let mut parts = Vec::new();
+    if let Some(r) = get("rollout/raw_reward") {
+        parts.push(format!("reward {r:.3}"));
+    }
+    if let Some(l) = get("rollout/response_len") {
+        parts.push(format!("len {l:.1}"));
+    }
+    if let Some(l) = get("train/loss") {
+        parts.push(format!("loss {l:.4}"));
+    }
+    if let Some(g) = get("train/grad_norm") {
+        parts.push(format!("gnorm {g:.3}"));
+    }
+    if let Some(k) = get("train/ppo_kl") {
+        parts.push(format!("ppo_kl {k:.2e}"));
+    }
+    if let Some(e) = get("train/entropy_loss") {
+        parts.push(format!("entropy {e:.3}"));
+    }
+    if let Some(v) = get("critic/value_loss") {
+        parts.push(format!("value_loss {v:.4}"));
+    }
+    let e = eval_brief(m);
+    if !e.is_empty() {
+        parts.push(e);
+    }
+    let t = get("perf/rollout_time").unwrap_or(0.0) + get("perf/train_time").unwrap_or(0.0);
+    parts.push(format!("{t:.1}s"));
+    parts.join(" | ")
+}
