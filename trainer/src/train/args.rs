@@ -160,7 +160,26 @@ pub struct EvalSet {
     pub path: PathBuf,
 }
 
+#[derive(clap::Parser)]
+#[command(name = "vime-train")]
+struct Cli {
+    #[command(flatten)]
+    args: TrainArgs,
+}
+
 impl TrainArgs {
+    /// Parses training flags as `vime-train` does (without the program name), e.g. for tests and
+    /// embedding programs: `TrainArgs::from_flags(["--hf-checkpoint", dir, ...])`.
+    pub fn from_flags<I, T>(flags: I) -> Result<Self>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::Parser;
+        let argv = std::iter::once(std::ffi::OsString::from("vime-train")).chain(flags.into_iter().map(Into::into));
+        Ok(Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?.args)
+    }
+
     /// Samples per rollout.
     pub fn rollout_samples(&self) -> usize {
         let n = match self.loss_type {

@@ -885,7 +885,10 @@ impl<'a> Run<'a> {
                 .filter(|o| o.finish_reason == FinishReason::Length)
                 .count();
             m.insert(format!("eval/{name}/truncated"), truncated as f64 / total);
-            m.insert(format!("eval/{name}/tokens_per_s"), lens as f64 / gen_time.max(1e-9));
+            m.insert(
+                format!("perf/eval_{name}_tokens_per_s"),
+                lens as f64 / gen_time.max(1e-9),
+            );
             let passes: Vec<usize> = rewards
                 .chunks(n)
                 .map(|c| c.iter().filter(|&&r| r >= args.eval_pass_threshold).count())
