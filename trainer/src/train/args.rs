@@ -74,7 +74,8 @@ pub struct TrainArgs {
     pub rollout_temperature: f64,
     #[arg(long, default_value_t = 1.0)]
     pub rollout_top_p: f64,
-    #[arg(long, default_value_t = -1)]
+    /// -1 (slime's default): no top-k.
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
     pub rollout_top_k: i64,
     /// Extra stop token ids (the tokenizer's EOS always stops).
     #[arg(long, num_args = 1..)]
@@ -252,6 +253,13 @@ impl TrainArgs {
             "--hf-checkpoint is required (or --load with a checkpoint to resume)"
         );
         let samples = self.rollout_samples();
+        if let Some(n) = self.num_steps_per_rollout {
+            ensure!(
+                n > 0 && samples.is_multiple_of(n),
+                "--num-steps-per-rollout {n} must divide the {samples} samples of a rollout \
+                 (--rollout-batch-size x --n-samples-per-prompt)"
+            );
+        }
         let g = self.global_batch_size_resolved();
         if let (Some(gb), Some(n)) = (self.global_batch_size, self.num_steps_per_rollout) {
             ensure!(
@@ -261,7 +269,7 @@ impl TrainArgs {
             );
         }
         ensure!(
-            g > 0 && samples % g == 0,
+            g > 0 && samples.is_multiple_of(g),
             "--global-batch-size {g} must divide the {samples} samples of a rollout \
              (--rollout-batch-size {} x --n-samples-per-prompt {})",
             self.rollout_batch_size,
@@ -291,6 +299,9 @@ impl TrainArgs {
                 "--rollout-engine vllm needs --vllm-url URL (or --vllm-launch)"
             ),
             other => bail!("--rollout-engine {other:?}: expected embedded or vllm"),
+        }
+        if !self.rm_type.trim().is_empty() {
+            self.rm_type.parse::<vime_rollout::reward::RmType>()?;
         }
         if self.loss_type == LossType::PolicyLoss {
             ensure!(

@@ -13,7 +13,7 @@ use vime_rollout::vllm::{VllmArgs, VllmClient, VllmLauncher};
 
 pub enum Engine {
     /// Its own copy of the weights (the policy's are updated by the optimizer in place).
-    Embedded(EmbeddedEngine),
+    Embedded(Box<EmbeddedEngine>),
     Remote {
         client: VllmClient,
         /// Engines this process started (`--vllm-launch`); dropped with the loop.
@@ -41,7 +41,7 @@ impl Engine {
             seed,
             ..EngineOptions::for_config(policy.config())
         };
-        Ok(Engine::Embedded(EmbeddedEngine::new(copy, opts)?))
+        Ok(Engine::Embedded(Box::new(EmbeddedEngine::new(copy, opts)?)))
     }
 
     /// Connects to (or launches) HTTP engines serving `model_dir`.

@@ -335,6 +335,23 @@ impl<'a> Run<'a> {
         let log_dir = self.log_dir();
         let metrics_path = log_dir.as_ref().map(|d| d.join("metrics.jsonl"));
         let plot_path = log_dir.as_ref().map(|d| d.join("curves.png"));
+        if let (None, Some(path)) = (resumed_at, &metrics_path) {
+            // A fresh start never overwrites an earlier run's metrics: they are moved aside.
+            if std::fs::metadata(path).is_ok_and(|m| m.len() > 0) {
+                let secs = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                let aside = path.with_extension(format!("jsonl.prev-{secs}"));
+                std::fs::rename(path, &aside)
+                    .with_context(|| format!("moving the earlier {} aside", path.display()))?;
+                self.ui.log(&format!(
+                    "{} held an earlier run's metrics (no checkpoint to resume); moved to {}",
+                    path.display(),
+                    aside.display()
+                ));
+            }
+        }
         let mut logger = MetricsLogger::open(
             metrics_path.as_deref(),
             log_dir.as_ref().map(|d| d.join("tensorboard")).as_deref(),
@@ -382,7 +399,7 @@ impl<'a> Run<'a> {
                 self.state.extra = serde_json::json!({ "critic_optimizer_step": copt.num_steps() });
             }
             let step = self.state.step;
-            let due = |interval: Option<u64>| interval.is_some_and(|i| step % i == 0) || step == num_rollout;
+            let due = |interval: Option<u64>| interval.is_some_and(|i| step.is_multiple_of(i)) || step == num_rollout;
             if args.eval_interval.is_some() && due(args.eval_interval) {
                 if interrupted() {
                     summary.interrupted = true;
@@ -543,6 +560,12 @@ impl<'a> Run<'a> {
         let mut requests = Vec::with_capacity(prompts.len() * n);
         let mut owners: Vec<&PromptSample> = Vec::with_capacity(prompts.len() * n);
         for p in prompts {
+            ensure!(
+                !p.prompt_ids.is_empty(),
+                "{}:{}: the prompt is empty (a response needs at least one prompt token before it)",
+                self.dataset.path().display(),
+                p.line
+            );
             for _ in 0..n {
                 let i = requests.len() as u64;
                 requests.push(GenRequest {
@@ -829,7 +852,7 @@ impl<'a> Run<'a> {
 
         // Weight sync: the engine samples the next rollout (RL) or the evaluation.
         let step_after = rollout_id + 1;
-        let eval_due = args.eval_interval.is_some_and(|i| step_after % i == 0)
+        let eval_due = args.eval_interval.is_some_and(|i| step_after.is_multiple_of(i))
             || (args.eval_interval.is_some() && Some(step_after) == args.num_rollout);
         if is_rl || eval_due {
             let t = Instant::now();

@@ -879,6 +879,30 @@ pub fn normalize_latex(text: &str, boxed: BoxedMode) -> String {
     text.trim().to_string()
 }
 
+/// Matches `cmd\s?(\d)\s?(\d+)` at `i`: the length matched, the single digit and the digit run.
+fn digit_then_digits_after(t: &[char], i: usize, cmd: &str) -> Option<(usize, char, String)> {
+    if !starts_at(t, i, cmd) {
+        return None;
+    }
+    let mut k = i + cmd.chars().count();
+    if t.get(k).is_some_and(|c| c.is_whitespace()) {
+        k += 1;
+    }
+    let a = *t.get(k).filter(|c| c.is_ascii_digit())?;
+    k += 1;
+    if t.get(k).is_some_and(|c| c.is_whitespace()) {
+        k += 1;
+    }
+    let start = k;
+    while t.get(k).is_some_and(|c| c.is_ascii_digit()) {
+        k += 1;
+    }
+    if k == start {
+        return None;
+    }
+    Some((k - i, a, t[start..k].iter().collect()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -915,28 +939,4 @@ mod tests {
         assert_eq!(n("1/3"), "\\frac{1}{3}");
         assert_eq!(n(".4"), "0.4");
     }
-}
-
-/// Matches `cmd\s?(\d)\s?(\d+)` at `i`: the length matched, the single digit and the digit run.
-fn digit_then_digits_after(t: &[char], i: usize, cmd: &str) -> Option<(usize, char, String)> {
-    if !starts_at(t, i, cmd) {
-        return None;
-    }
-    let mut k = i + cmd.chars().count();
-    if t.get(k).is_some_and(|c| c.is_whitespace()) {
-        k += 1;
-    }
-    let a = *t.get(k).filter(|c| c.is_ascii_digit())?;
-    k += 1;
-    if t.get(k).is_some_and(|c| c.is_whitespace()) {
-        k += 1;
-    }
-    let start = k;
-    while t.get(k).is_some_and(|c| c.is_ascii_digit()) {
-        k += 1;
-    }
-    if k == start {
-        return None;
-    }
-    Some((k - i, a, t[start..k].iter().collect()))
 }
