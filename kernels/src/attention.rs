@@ -60,6 +60,10 @@ pub fn varlen_attention(
     cu_seqlens_k: &Arc<[u32]>,
     softmax_scale: f64,
 ) -> Result<Tensor> {
+    if !q.device().is_cpu() {
+        // Fused CUDA kernels will replace this composed path (issue 6).
+        return crate::composed::varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale);
+    }
     validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
     let op = VarlenAttention {
         cu_q: cu_seqlens_q.clone(),

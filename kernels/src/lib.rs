@@ -13,7 +13,12 @@
 //!   three tensor inputs.
 //! - candle's own `rms_norm`, `rope`, `softmax_last_dim` and flash-attn record no backward and
 //!   would silently zero gradients; none of them is used here.
+//! - The fused ops have CPU kernels only for now. On any other device each public op dispatches to
+//!   [`composed`], the same op built from candle tensor ops with autograd backward (until the fused
+//!   CUDA kernels land, issue 6); [`composed`] is also the reference the fused kernels are tested
+//!   against.
 pub mod attention;
+pub mod composed;
 pub mod lm_head;
 pub mod real;
 pub mod rmsnorm;

@@ -55,6 +55,10 @@ pub fn logprobs_entropy(
     targets: &Arc<[u32]>,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
+    if !hidden.device().is_cpu() {
+        // Fused CUDA kernels will replace this composed path (issue 6).
+        return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
+    }
     let (t, h) = match hidden.dims() {
         &[t, h] => (t, h),
         d => bail!("logprobs_entropy: hidden must be [T, H], got {d:?}"),

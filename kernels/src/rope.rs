@@ -17,6 +17,10 @@ use std::sync::Arc;
 
 /// Applies RoPE to `x: [T, n_heads, head_dim]` at `positions: [T]`, with backward.
 pub fn rope(x: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        // Fused CUDA kernels will replace this composed path (issue 6).
+        return crate::composed::rope(x, positions, theta);
+    }
     let (t, _h, d) = x.dims3()?;
     if positions.len() != t {
         bail!("rope: {} positions for {t} tokens (x {:?})", positions.len(), x.dims());

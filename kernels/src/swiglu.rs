@@ -12,6 +12,10 @@ const CHUNK: usize = 1 << 14;
 
 /// `silu(gate) * up` for two tensors of one shape, with backward.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if !gate.device().is_cpu() {
+        // Fused CUDA kernels will replace this composed path (issue 6).
+        return crate::composed::swiglu(gate, up);
+    }
     if gate.dims() != up.dims() {
         bail!("swiglu: gate {:?} and up {:?} differ in shape", gate.dims(), up.dims());
     }

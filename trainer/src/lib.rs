@@ -11,6 +11,7 @@ pub mod ckpt;
 pub mod critic;
 pub mod demo;
 pub mod device;
+pub mod gradcheck;
 pub mod metrics;
 pub mod optim;
 pub mod rl;

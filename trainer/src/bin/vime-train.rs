@@ -50,6 +50,23 @@ enum Cmd {
     },
     /// Writes a synthetic task (prompts, eval set, tokenizer, a tiny random Qwen3) for the demo.
     MakeTask(vime_trainer::demo::MakeTaskArgs),
+    /// Log-probs, entropies and the gradient of a fixed objective on one packed batch (parity checks).
+    Grad {
+        #[arg(long)]
+        hf_checkpoint: PathBuf,
+        /// safetensors with input_ids, cu_seqlens, adv, ent_coef (see vime_trainer::gradcheck).
+        #[arg(long)]
+        batch: PathBuf,
+        #[arg(long)]
+        output: PathBuf,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// none or full.
+        #[arg(long, default_value = "full")]
+        recompute: String,
+    },
 }
 
 fn main() {
@@ -96,6 +113,30 @@ fn run(cli: Cli) -> Result<i32> {
             eprintln!(
                 "scored {n} sequences in {:.2}s -> {}",
                 t0.elapsed().as_secs_f64(),
+                output.display()
+            );
+            Ok(0)
+        }
+        Some(Cmd::Grad {
+            hf_checkpoint,
+            batch,
+            output,
+            dtype,
+            device,
+            recompute,
+        }) => {
+            let device = parse_device(&device)?;
+            let dtype = parse_dtype(&dtype)?;
+            let t0 = std::time::Instant::now();
+            let model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
+                .with_context(|| format!("loading the checkpoint {}", hf_checkpoint.display()))?;
+            device.synchronize()?;
+            let loaded = t0.elapsed().as_secs_f64();
+            let t1 = std::time::Instant::now();
+            let j = vime_trainer::gradcheck::grad_file(&model, &batch, &output, recompute.parse()?)?;
+            eprintln!(
+                "objective {j:.6e}; load {loaded:.1}s, forward+backward+write {:.1}s -> {}",
+                t1.elapsed().as_secs_f64(),
                 output.display()
             );
             Ok(0)

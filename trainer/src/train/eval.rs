@@ -41,6 +41,9 @@ mod tests {
     use super::*;
 
     fn binom(n: u64, k: u64) -> f64 {
+        if k > n {
+            return 0.0;
+        }
         (0..k).fold(1.0, |acc, i| acc * (n - i) as f64 / (i + 1) as f64)
     }
 
