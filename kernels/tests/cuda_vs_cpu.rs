@@ -37,7 +37,11 @@ fn check(name: &str, op: Op, inputs_cpu: &[Tensor], gpu: &Device, failures: &mut
         "{name:<18} {:<48} fwd {:.1e} grads [{}]  cuda fwd+bwd {ms:8.2} ms  {}",
         shapes.join(" "),
         fwd,
-        errs[1..].iter().map(|e| format!("{e:.1e}")).collect::<Vec<_>>().join(", "),
+        errs[1..]
+            .iter()
+            .map(|e| format!("{e:.1e}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         if worst <= TOL { "ok" } else { "FAIL" }
     );
     if worst > TOL {
@@ -66,19 +70,43 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
 
     let x = rng.randn(&[t, 2560], 1.0, bf, &Device::Cpu)?;
     let w = (rng.randn(&[2560], 0.1, DType::F32, &Device::Cpu)? + 1.0)?.to_dtype(bf)?;
-    check("rms_norm", &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6), &[x, w], &gpu, &mut failures)?;
+    check(
+        "rms_norm",
+        &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6),
+        &[x, w],
+        &gpu,
+        &mut failures,
+    )?;
 
     let qn = rng.randn(&[t, 32, 128], 1.0, bf, &Device::Cpu)?;
     let wn = (rng.randn(&[128], 0.1, DType::F32, &Device::Cpu)? + 1.0)?.to_dtype(bf)?;
-    check("rms_norm (q_norm)", &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6), &[qn, wn], &gpu, &mut failures)?;
+    check(
+        "rms_norm (q_norm)",
+        &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6),
+        &[qn, wn],
+        &gpu,
+        &mut failures,
+    )?;
 
     let q = rng.randn(&[t, 32, 128], 1.0, bf, &Device::Cpu)?;
     let p = pos.clone();
-    check("rope", &|a| vime_kernels::rope(&a[0], &p, 1e6), &[q], &gpu, &mut failures)?;
+    check(
+        "rope",
+        &|a| vime_kernels::rope(&a[0], &p, 1e6),
+        &[q],
+        &gpu,
+        &mut failures,
+    )?;
 
     let g = rng.randn(&[t, 9728], 2.0, bf, &Device::Cpu)?;
     let u = rng.randn(&[t, 9728], 1.0, bf, &Device::Cpu)?;
-    check("swiglu", &|a| vime_kernels::swiglu(&a[0], &a[1]), &[g, u], &gpu, &mut failures)?;
+    check(
+        "swiglu",
+        &|a| vime_kernels::swiglu(&a[0], &a[1]),
+        &[g, u],
+        &gpu,
+        &mut failures,
+    )?;
 
     let q = rng.randn(&[t, 32, 128], 1.0, bf, &Device::Cpu)?;
     let k = rng.randn(&[t, 8, 128], 1.0, bf, &Device::Cpu)?;
