@@ -73,7 +73,8 @@ pub fn varlen_attention(
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
-fn validate(q: &Tensor, k: &Tensor, v: &Tensor, cu_q: &[u32], cu_k: &[u32], scale: f64) -> Result<()> {
+/// Every check of [`varlen_attention`]; the composed path runs the same ones.
+pub(crate) fn validate(q: &Tensor, k: &Tensor, v: &Tensor, cu_q: &[u32], cu_k: &[u32], scale: f64) -> Result<()> {
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.rank() != 3 {
             bail!(

@@ -59,42 +59,7 @@ pub fn logprobs_entropy(
         // Fused CUDA kernels will replace this composed path (issue 6).
         return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
     }
-    let (t, h) = match hidden.dims() {
-        &[t, h] => (t, h),
-        d => bail!("logprobs_entropy: hidden must be [T, H], got {d:?}"),
-    };
-    let (v, hw) = match lm_head.dims() {
-        &[v, hw] => (v, hw),
-        d => bail!("logprobs_entropy: lm_head must be [V, H], got {d:?}"),
-    };
-    if hw != h {
-        bail!(
-            "logprobs_entropy: lm_head {:?} does not match the hidden size {h} of hidden {:?}",
-            lm_head.dims(),
-            hidden.dims()
-        );
-    }
-    if v == 0 {
-        bail!("logprobs_entropy: lm_head has an empty vocabulary");
-    }
-    if targets.len() != t {
-        bail!(
-            "logprobs_entropy: {} targets for {t} tokens (hidden {:?})",
-            targets.len(),
-            hidden.dims()
-        );
-    }
-    if chunk_tokens == 0 {
-        bail!("logprobs_entropy: chunk_tokens must be > 0");
-    }
-    same_dtype("logprobs_entropy", &[hidden.dtype(), lm_head.dtype()])?;
-    if let Some((i, &id)) = targets
-        .iter()
-        .enumerate()
-        .find(|&(_, &id)| id != IGNORE_TARGET && id as usize >= v)
-    {
-        bail!("logprobs_entropy: target {id} of token {i} is out of range for a vocabulary of {v}");
-    }
+    validate(hidden, lm_head, targets, chunk_tokens)?;
     let op = LmHead {
         targets: targets.clone(),
         chunk_tokens,
@@ -323,4 +288,50 @@ impl CustomOp3 for LmHeadBwd {
             Ok((out, Shape::from(len)))
         })
     }
+}
+
+/// Every check of [`logprobs_entropy`] (the composed path runs the same ones); returns `(T, H, V)`.
+pub(crate) fn validate(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &[u32],
+    chunk_tokens: usize,
+) -> Result<(usize, usize, usize)> {
+    let (t, h) = match hidden.dims() {
+        &[t, h] => (t, h),
+        d => bail!("logprobs_entropy: hidden must be [T, H], got {d:?}"),
+    };
+    let (v, hw) = match lm_head.dims() {
+        &[v, hw] => (v, hw),
+        d => bail!("logprobs_entropy: lm_head must be [V, H], got {d:?}"),
+    };
+    if hw != h {
+        bail!(
+            "logprobs_entropy: lm_head {:?} does not match the hidden size {h} of hidden {:?}",
+            lm_head.dims(),
+            hidden.dims()
+        );
+    }
+    if v == 0 {
+        bail!("logprobs_entropy: lm_head has an empty vocabulary");
+    }
+    if targets.len() != t {
+        bail!(
+            "logprobs_entropy: {} targets for {t} tokens (hidden {:?})",
+            targets.len(),
+            hidden.dims()
+        );
+    }
+    if chunk_tokens == 0 {
+        bail!("logprobs_entropy: chunk_tokens must be > 0");
+    }
+    same_dtype("logprobs_entropy", &[hidden.dtype(), lm_head.dtype()])?;
+    if let Some((i, &id)) = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &id)| id != IGNORE_TARGET && id as usize >= v)
+    {
+        bail!("logprobs_entropy: target {id} of token {i} is out of range for a vocabulary of {v}");
+    }
+    Ok((t, h, v))
 }

@@ -5,7 +5,6 @@ use candle_core::Tensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use vime_qwen3::checkpoint::{copy_tokenizer_files, DEFAULT_MAX_SHARD_BYTES};
-use vime_qwen3::config::hf_dtype_name;
 use vime_qwen3::model::Qwen3;
 use vime_rollout::engine::embedded::{EmbeddedEngine, EngineOptions};
 use vime_rollout::engine::{GenOutput, GenRequest, RolloutEngine};
@@ -73,7 +72,6 @@ impl Engine {
         match self {
             Engine::Embedded(e) => e.update_weights(&policy.state_dict())?,
             Engine::Remote { client, sync_dir, .. } => {
-                hf_dtype_name(policy.dtype())?;
                 policy.save_hf(sync_dir, policy.dtype(), DEFAULT_MAX_SHARD_BYTES)?;
                 copy_tokenizer_files(tokenizer_dir, sync_dir)?;
                 client.update_weights_from_dir(sync_dir)?;

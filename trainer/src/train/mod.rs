@@ -400,7 +400,16 @@ impl<'a> Run<'a> {
             }
             let step = self.state.step;
             let due = |interval: Option<u64>| interval.is_some_and(|i| step.is_multiple_of(i)) || step == num_rollout;
-            if args.eval_interval.is_some() && due(args.eval_interval) {
+            let eval_now = args.eval_interval.is_some() && due(args.eval_interval);
+            // Weight sync: the engine samples the next rollout (RL) or this evaluation.
+            if args.loss_type == LossType::PolicyLoss || eval_now {
+                let t = Instant::now();
+                let bytes = self.engine.sync_weights(&self.policy, &self.tokenizer_dir)?;
+                let dt = t.elapsed().as_secs_f64();
+                m.insert("perf/sync_time".into(), dt);
+                m.insert("perf/sync_gb_per_s".into(), bytes as f64 / 1e9 / dt.max(1e-9));
+            }
+            if eval_now {
                 if interrupted() {
                     summary.interrupted = true;
                 } else {
@@ -696,6 +705,7 @@ impl<'a> Run<'a> {
         }
 
         // Scoring passes.
+        let flat = |v: &[Vec<f32>]| v.iter().flatten().map(|&x| x as f64).collect::<Vec<f64>>();
         let t = Instant::now();
         let n = samples.len();
         let spinner = self.ui.spinner("log-probs");
@@ -718,7 +728,6 @@ impl<'a> Run<'a> {
         spinner.finish_and_clear();
         if is_rl {
             m.insert("perf/log_probs_time".into(), t.elapsed().as_secs_f64());
-            let flat = |v: &[Vec<f32>]| v.iter().flatten().map(|&x| x as f64).collect::<Vec<f64>>();
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
             let old_flat = flat(&old_logp);
             m.insert("rollout/log_probs".into(), mean(&old_flat));
@@ -754,7 +763,6 @@ impl<'a> Run<'a> {
                 cu.push(cu.last().unwrap() + s.response_length);
             }
             let total = *cu.last().unwrap();
-            let flat = |v: &[Vec<f32>]| v.iter().flatten().map(|&x| x as f64).collect::<Vec<f64>>();
             let old_flat = flat(&old_logp);
             let ref_flat = ref_logp.as_deref().map(flat);
             let val_flat = values.as_deref().map(flat);
@@ -794,27 +802,21 @@ impl<'a> Run<'a> {
         let mut reports: Vec<StepReport> = Vec::new();
         let mut critic_reports: Vec<StepReport> = Vec::new();
         let train_actor = !is_rl || args.rl.train_actor(rollout_id);
+        let cfg = StepConfig {
+            rl: &args.rl,
+            micro_batches: self.micro_batches,
+            recompute: self.recompute,
+            clip_grad: args.optim.clip_grad,
+        };
         for s in 0..steps {
             let idx: Vec<usize> = (s * g..(s + 1) * g).collect();
             if let (Some(v), true) = (&values, is_rl) {
-                let cfg = StepConfig {
-                    rl: &args.rl,
-                    micro_batches: self.micro_batches,
-                    recompute: self.recompute,
-                    clip_grad: args.optim.clip_grad,
-                };
                 let (critic, copt, csched) = self.critic.as_mut().context("internal: values without a critic")?;
                 critic_reports.push(step::critic_step(
                     critic, copt, csched, &cfg, &samples, &idx, v, &returns,
                 )?);
             }
             if train_actor {
-                let cfg = StepConfig {
-                    rl: &args.rl,
-                    micro_batches: self.micro_batches,
-                    recompute: self.recompute,
-                    clip_grad: args.optim.clip_grad,
-                };
                 let r = if is_rl {
                     step::policy_step(
                         &self.policy,
@@ -850,17 +852,6 @@ impl<'a> Run<'a> {
             m.insert("perf/sft_tokens".into(), trained as f64);
         }
 
-        // Weight sync: the engine samples the next rollout (RL) or the evaluation.
-        let step_after = rollout_id + 1;
-        let eval_due = args.eval_interval.is_some_and(|i| step_after.is_multiple_of(i))
-            || (args.eval_interval.is_some() && Some(step_after) == args.num_rollout);
-        if is_rl || eval_due {
-            let t = Instant::now();
-            let bytes = self.engine.sync_weights(&self.policy, &self.tokenizer_dir)?;
-            let dt = t.elapsed().as_secs_f64();
-            m.insert("perf/sync_time".into(), dt);
-            m.insert("perf/sync_gb_per_s".into(), bytes as f64 / 1e9 / dt.max(1e-9));
-        }
         m.insert("perf/step_time".into(), rollout_time + train_time);
         Ok(m)
     }

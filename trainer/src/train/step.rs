@@ -153,16 +153,18 @@ fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>
     }
 }
 
-/// Runs `mb_fn` on each micro-batch of `indices`, accumulates the gradients, clips, and steps.
+/// Runs `mb_fn(micro-batch, its loss tokens, the step's loss normaliser)` on each micro-batch of
+/// `indices`, accumulates the gradients, clips, and steps.
 fn optimizer_step(
     samples: &[Sample],
     indices: &[usize],
     cfg: &StepConfig,
     opt: &mut AdamW,
     sched: &LrScheduler,
-    mut mb_fn: impl FnMut(&MicroBatch, &LossTokens) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
+    mut mb_fn: impl FnMut(&MicroBatch, &LossTokens, f64) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
     device: &Device,
 ) -> Result<StepReport> {
+    let norm = normalizer(samples, indices, cfg.rl.calculate_per_token_loss);
     let views: Vec<SampleView> = samples.iter().map(Sample::view).collect();
     let lengths: Vec<usize> = indices.iter().map(|&i| samples[i].tokens.len()).collect();
     let mut acc = GradAccumulator::new();
@@ -171,7 +173,7 @@ fn optimizer_step(
         let global: Vec<usize> = local.iter().map(|&j| indices[j]).collect();
         let mb = MicroBatch::new(&views, &global)?;
         let lt = LossTokens::new(&mb, device)?;
-        let (grads, metrics) = mb_fn(&mb, &lt)?;
+        let (grads, metrics) = mb_fn(&mb, &lt, norm)?;
         acc.add(&grads)?;
         accumulate(&mut report.metrics, &metrics, 1.0);
         report.tokens += mb.num_tokens();
@@ -196,7 +198,6 @@ pub fn policy_step(
     data: &PolicyData,
 ) -> Result<StepReport> {
     let per_token = cfg.rl.calculate_per_token_loss;
-    let norm = normalizer(samples, indices, per_token);
     let device = model.device().clone();
     let rollout: Option<Vec<Vec<f32>>> = samples
         .iter()
@@ -208,7 +209,7 @@ pub fn policy_step(
         cfg,
         opt,
         sched,
-        |mb, lt| {
+        |mb, lt, norm| {
             let adv = lt.host(mb, data.advantages, &device)?;
             let old = lt.host(mb, data.old_log_probs, &device)?;
             let reference = data.ref_log_probs.map(|r| lt.host(mb, r, &device)).transpose()?;
@@ -250,7 +251,6 @@ pub fn sft_step(
     indices: &[usize],
 ) -> Result<StepReport> {
     let per_token = cfg.rl.calculate_per_token_loss;
-    let norm = normalizer(samples, indices, per_token);
     let device = model.device().clone();
     optimizer_step(
         samples,
@@ -258,7 +258,7 @@ pub fn sft_step(
         cfg,
         opt,
         sched,
-        |mb, lt| {
+        |mb, lt, norm| {
             let mut metrics = BTreeMap::new();
             let (_, grads) = model.forward_backward(&mb.batch, cfg.recompute, |o| {
                 let logp = lt.gather(&o.logprobs)?;
@@ -290,7 +290,6 @@ pub fn critic_step(
     returns: &[Vec<f32>],
 ) -> Result<StepReport> {
     let per_token = cfg.rl.calculate_per_token_loss;
-    let norm = normalizer(samples, indices, per_token);
     let device = critic.backbone().device().clone();
     optimizer_step(
         samples,
@@ -298,7 +297,7 @@ pub fn critic_step(
         cfg,
         opt,
         sched,
-        |mb, lt| {
+        |mb, lt, norm| {
             let old = lt.host(mb, old_values, &device)?;
             let ret = lt.host(mb, returns, &device)?;
             let mut metrics = BTreeMap::new();
