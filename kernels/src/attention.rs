@@ -60,8 +60,12 @@ pub fn varlen_attention(
     cu_seqlens_k: &Arc<[u32]>,
     softmax_scale: f64,
 ) -> Result<Tensor> {
-    if !q.device().is_cpu() {
-        // Fused CUDA kernels will replace this composed path (issue 6).
+    let fused = crate::fused_cuda(q.device(), q.dtype())
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+        && q.rank() == 3
+        && q.dim(2)? == 128;
+    if !q.device().is_cpu() && !fused {
         return crate::composed::varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale);
     }
     validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
@@ -69,6 +73,8 @@ pub fn varlen_attention(
         cu_q: cu_seqlens_q.clone(),
         cu_k: cu_seqlens_k.clone(),
         scale: softmax_scale,
+        #[cfg(feature = "cuda")]
+        lse: Default::default(),
     };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
@@ -144,6 +150,10 @@ struct VarlenAttention {
     cu_q: Arc<[u32]>,
     cu_k: Arc<[u32]>,
     scale: f64,
+    /// The CUDA forward's log-sum-exp, which its backward reads (the CPU backward recomputes the
+    /// softmax per row instead).
+    #[cfg(feature = "cuda")]
+    lse: Arc<crate::cuda::SavedLse>,
 }
 
 /// Sizes of one call, read from the layouts of q and k.
@@ -391,17 +401,32 @@ impl CustomOp3 for VarlenAttention {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Geom::new(l1, l2)?;
+        crate::cuda::flash_fwd(s1, l1, s2, l2, s3, l3, &self.cu_q, &self.cu_k, self.scale, &self.lse)
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let op = VarlenAttentionBwd {
             fwd: self.clone(),
             grad_out: grad.contiguous()?,
+            out: res.clone(),
         };
         let packed = q.apply_op3_no_bwd(k, v, &op)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
@@ -416,6 +441,9 @@ impl CustomOp3 for VarlenAttention {
 struct VarlenAttentionBwd {
     fwd: VarlenAttention,
     grad_out: Tensor,
+    /// The forward's output O (the CUDA backward's `delta = rowsum(dO * O)`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    out: Tensor,
 }
 
 impl CustomOp3 for VarlenAttentionBwd {
@@ -460,5 +488,39 @@ impl CustomOp3 for VarlenAttentionBwd {
             let len = out.len();
             Ok((R::write(out, dtype)?, Shape::from(len)))
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if self.grad_out.dims() != l1.dims() {
+            bail!(
+                "varlen_attention backward: grad {:?} does not match q {:?}",
+                self.grad_out.dims(),
+                l1.dims()
+            );
+        }
+        let f = &self.fwd;
+        crate::cuda::flash_bwd(
+            s1,
+            l1,
+            s2,
+            l2,
+            s3,
+            l3,
+            &self.out,
+            &self.grad_out,
+            &f.cu_q,
+            &f.cu_k,
+            f.scale,
+            &f.lse,
+        )
     }
 }

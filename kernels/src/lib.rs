@@ -13,12 +13,14 @@
 //!   three tensor inputs.
 //! - candle's own `rms_norm`, `rope`, `softmax_last_dim` and flash-attn record no backward and
 //!   would silently zero gradients; none of them is used here.
-//! - The fused ops have CPU kernels only for now. On any other device each public op dispatches to
-//!   [`composed`], the same op built from candle tensor ops with autograd backward (until the fused
-//!   CUDA kernels land, issue 6); [`composed`] is also the reference the fused kernels are tested
-//!   against.
+//! - Every fused op has a CPU kernel and, with the `cuda` feature, a CUDA kernel for bf16 tensors
+//!   (`cuda/*.cu`, host side in [`cuda`]). Any other device/dtype (f32 on CUDA, say) runs
+//!   [`composed`], the same op built from candle tensor ops with autograd backward; [`composed`]
+//!   is also the reference the fused kernels are tested against.
 pub mod attention;
 pub mod composed;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod lm_head;
 pub mod real;
 pub mod rmsnorm;
@@ -32,3 +34,17 @@ pub use real::Real;
 pub use rmsnorm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;
+
+/// Whether the public ops run the fused CUDA kernels for tensors of this device and dtype (bf16 on
+/// a CUDA device, in a build with the `cuda` feature); other non-CPU cases run [`composed`].
+pub fn fused_cuda(device: &candle_core::Device, dtype: candle_core::DType) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::fused(device, dtype)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, dtype);
+        false
+    }
+}

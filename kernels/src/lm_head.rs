@@ -55,8 +55,9 @@ pub fn logprobs_entropy(
     targets: &Arc<[u32]>,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
-    if !hidden.device().is_cpu() {
-        // Fused CUDA kernels will replace this composed path (issue 6).
+    if !hidden.device().is_cpu()
+        && !(crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype())
+    {
         return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
     }
     validate(hidden, lm_head, targets, chunk_tokens)?;
@@ -231,11 +232,23 @@ impl CustomOp2 for LmHead {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        sizes("logprobs_entropy", l1, l2, &self.targets, self.chunk_tokens)?;
+        crate::cuda::lm_head_fwd(s1, l1, s2, l2, &self.targets, self.chunk_tokens)
+    }
+
     fn bwd(
         &self,
         hidden: &Tensor,
         lm_head: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let hidden = hidden.contiguous()?;
@@ -243,6 +256,7 @@ impl CustomOp2 for LmHead {
         let op = LmHeadBwd {
             targets: self.targets.clone(),
             chunk_tokens: self.chunk_tokens,
+            fwd_out: res.clone(),
         };
         let packed = hidden.apply_op3_no_bwd(&lm_head, &grad.contiguous()?, &op)?;
         let n = hidden.elem_count();
@@ -256,6 +270,10 @@ impl CustomOp2 for LmHead {
 struct LmHeadBwd {
     targets: Arc<[u32]>,
     chunk_tokens: usize,
+    /// The forward's output: the CUDA backward reads each row's log-sum-exp and entropy from it
+    /// (its third column, CUDA only); the CPU backward recomputes them.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fwd_out: Tensor,
 }
 
 impl CustomOp3 for LmHeadBwd {
@@ -287,6 +305,21 @@ impl CustomOp3 for LmHeadBwd {
             let out = if dtype == R::DTYPE { R::to_cpu_storage_owned(out) } else { R::write(out, dtype)? };
             Ok((out, Shape::from(len)))
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let op = "logprobs_entropy backward";
+        sizes(op, l1, l2, &self.targets, self.chunk_tokens)?;
+        crate::cuda::lm_head_bwd(s1, l1, s2, l2, s3, l3, &self.fwd_out, &self.targets, self.chunk_tokens)
     }
 }
 

@@ -17,8 +17,7 @@ const ROWS_PER_TASK: usize = 64;
 
 /// `y = weight * x / sqrt(mean(x^2, -1) + eps)` over the last dimension of `x`, with backward.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        // Fused CUDA kernels will replace this composed path (issue 6).
+    if !x.device().is_cpu() && !(crate::fused_cuda(x.device(), x.dtype()) && weight.dtype() == x.dtype()) {
         return crate::composed::rms_norm(x, weight, eps);
     }
     let d = x.dim(candle_core::D::Minus1)?;
@@ -111,6 +110,17 @@ impl CustomOp2 for RmsNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::rms_norm_fwd(s1, l1, s2, l2, self.eps)
+    }
+
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let packed = x.apply_op3_no_bwd(w, &grad.contiguous()?, &RmsNormBwd { eps: self.eps })?;
         let n = x.elem_count();
@@ -148,5 +158,18 @@ impl CustomOp3 for RmsNormBwd {
             let len = out.len();
             Ok((R::write(out, dtype)?, Shape::from(len)))
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::rms_norm_bwd(s1, l1, s2, l2, s3, l3, self.eps)
     }
 }

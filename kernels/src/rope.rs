@@ -17,8 +17,7 @@ use std::sync::Arc;
 
 /// Applies RoPE to `x: [T, n_heads, head_dim]` at `positions: [T]`, with backward.
 pub fn rope(x: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        // Fused CUDA kernels will replace this composed path (issue 6).
+    if !x.device().is_cpu() && !crate::fused_cuda(x.device(), x.dtype()) {
         return crate::composed::rope(x, positions, theta);
     }
     let (t, _h, d) = x.dims3()?;
@@ -86,6 +85,11 @@ impl CustomOp1 for Rope {
             let y = apply(&x, l.dims(), &self.positions, self.theta, self.sign);
             Ok((R::write(y, dtype)?, l.shape().clone()))
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::rope(s, l, &self.positions, self.theta, self.sign)
     }
 
     fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -12,8 +12,7 @@ const CHUNK: usize = 1 << 14;
 
 /// `silu(gate) * up` for two tensors of one shape, with backward.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if !gate.device().is_cpu() {
-        // Fused CUDA kernels will replace this composed path (issue 6).
+    if !gate.device().is_cpu() && !(crate::fused_cuda(gate.device(), gate.dtype()) && up.dtype() == gate.dtype()) {
         return crate::composed::swiglu(gate, up);
     }
     if gate.dims() != up.dims() {
@@ -48,6 +47,17 @@ impl CustomOp2 for SwiGlu {
             });
             Ok((R::write(y, dtype)?, l1.shape().clone()))
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::swiglu_fwd(s1, l1, s2, l2)
     }
 
     fn bwd(
@@ -102,5 +112,18 @@ impl CustomOp3 for SwiGluBwd {
                 });
             Ok((R::write(out, dtype)?, Shape::from(2 * n)))
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::swiglu_bwd(s1, l1, s2, l2, s3, l3)
     }
 }

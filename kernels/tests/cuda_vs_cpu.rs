@@ -1,11 +1,13 @@
-//! `scripts/gpu/check_kernels.sh`: every op on the CUDA device (today the composed path,
-//! `vime_kernels::composed`; the fused CUDA kernels of issue 6 will take its place behind the same
-//! functions) against the fused CPU kernel, on fresh random bf16 inputs at real Qwen3-4B shapes,
-//! forward and the gradient of a random weighted sum with respect to every input. Both sides
-//! compute in f32 from the same bf16 inputs and round once, so the bound is bf16's: norm-wise
-//! relative error <= 1e-2 (about one bf16 ulp is 4e-3). Prints one line per op with the errors and
-//! the CUDA forward+backward time, then a verdict line. Built only with `--features cuda`.
+//! `scripts/gpu/check_kernels.sh`: every op on the CUDA device (bf16: the fused CUDA kernels of
+//! kernels/cuda/*.cu) against the fused CPU kernel, on fresh random bf16 inputs at real Qwen3-4B
+//! shapes, forward and the gradient of a random weighted sum with respect to every input; plus the
+//! fused AdamW against the CPU update. Both sides compute in f32 from the same bf16 inputs and round
+//! once, so the bound is bf16's: norm-wise relative error <= 1e-2 (about one bf16 ulp is 4e-3).
+//! Prints one line per op with the errors, then a verdict line. A second test prints the kernels'
+//! timings (`TIME` lines, median of repeated runs) at the shapes `scripts/gpu/torch_kernel_times.py`
+//! times torch's equivalents on. Built only with `--features cuda`.
 #![cfg(feature = "cuda")]
+use candle_core::Var;
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,14 +20,8 @@ fn check(name: &str, op: Op, inputs_cpu: &[Tensor], gpu: &Device, failures: &mut
     let inputs_gpu: Vec<Tensor> = inputs_cpu.iter().map(|t| t.to_device(gpu)).collect::<Result<_>>()?;
     let obj = |x: &[Tensor]| weighted_sum(&op(x)?.to_dtype(DType::F32)?, 7);
     let (y_cpu, g_cpu) = (op(inputs_cpu)?, autograd_grads(&obj, inputs_cpu)?);
-    // Warm-up (kernel JIT and allocations), then a timed forward + backward.
-    let _ = autograd_grads(&obj, &inputs_gpu)?;
-    gpu.synchronize()?;
-    let t = Instant::now();
     let y_gpu = op(&inputs_gpu)?;
     let g_gpu = autograd_grads(&obj, &inputs_gpu)?;
-    gpu.synchronize()?;
-    let ms = t.elapsed().as_secs_f64() * 1e3;
     let fwd = rel_err(&y_gpu.to_device(&Device::Cpu)?, &y_cpu)?;
     let mut errs = vec![fwd];
     for (a, b) in g_gpu.iter().zip(&g_cpu) {
@@ -34,7 +30,7 @@ fn check(name: &str, op: Op, inputs_cpu: &[Tensor], gpu: &Device, failures: &mut
     let worst = errs.iter().cloned().fold(0.0, f64::max);
     let shapes: Vec<String> = inputs_cpu.iter().map(|t| format!("{:?}", t.dims())).collect();
     println!(
-        "{name:<18} {:<48} fwd {:.1e} grads [{}]  cuda fwd+bwd {ms:8.2} ms  {}",
+        "{name:<26} {:<52} fwd {:.1e} grads [{}]  {}",
         shapes.join(" "),
         fwd,
         errs[1..]
@@ -139,11 +135,271 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
         &mut failures,
     )?;
 
+    // Attention with Lk > Lq (a KV-cache prefill continuation and one-token decoding), lengths
+    // that are not multiples of the kernel's tiles, and an empty query sequence.
+    let (lq, lk) = ([1u32, 100, 37, 0, 257], [300u32, 100, 200, 3, 257]);
+    let cum = |l: &[u32]| -> Arc<[u32]> {
+        let mut c = vec![0u32];
+        for &x in l {
+            c.push(c.last().unwrap() + x);
+        }
+        c.into()
+    };
+    let (cq, ck) = (cum(&lq), cum(&lk));
+    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+    let q = rng.randn(&[tq, 32, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
+    check(
+        "varlen_attention (Lk>Lq)",
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale),
+        &[q, k, v],
+        &gpu,
+        &mut failures,
+    )?;
+    // Qwen3-0.6B's GQA ratio (16 / 8) on one long sequence.
+    let c1: Arc<[u32]> = vec![0u32, 1500].into();
+    let q = rng.randn(&[1500, 16, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
+    check(
+        "varlen_attention (16/8)",
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c1, &c1, scale),
+        &[q, k, v],
+        &gpu,
+        &mut failures,
+    )?;
+
+    // The LM head with every token in one chunk (dW written directly; the case above accumulates
+    // over token chunks).
+    let h = rng.randn(&[th, 2560], 1.0, bf, &Device::Cpu)?;
+    let lm = rng.randn(&[151936, 2560], 0.02, bf, &Device::Cpu)?;
+    let tg = targets.clone();
+    check(
+        "logprobs_entropy (1 chunk)",
+        &|a| {
+            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], &tg, 4096)?;
+            Tensor::cat(&[lp, ent], 0)
+        },
+        &[h, lm],
+        &gpu,
+        &mut failures,
+    )?;
+
+    check_adamw(&gpu, &mut rng, &mut failures)?;
+
     println!(
-        "CHECK_KERNELS VERDICT: {} ({} ops vs the CPU kernels, bf16, rel err bound {TOL:e})",
+        "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
         if failures.is_empty() { "PASS" } else { "FAIL" },
-        6
+        11
     );
     assert!(failures.is_empty(), "{failures:?}");
+    Ok(())
+}
+
+/// The CPU AdamW update of trainer/src/optim/adamw.rs, op for op (candle's `affine` rounds its
+/// f64 constants to f32 as the kernel's host side does).
+#[allow(clippy::too_many_arguments)]
+fn adamw_cpu(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    lr: f64,
+    wd: f64,
+    b1: f64,
+    b2: f64,
+    eps: f64,
+    t: u64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let bc1 = 1.0 - b1.powf(t as f64);
+    let bc2 = (1.0 - b2.powf(t as f64)).sqrt();
+    let step = lr / bc1;
+    let p = p.affine(1.0 - lr * wd, 0.0)?;
+    let m = ((g - m)?.affine(1.0 - b1, 0.0)? + m)?;
+    let v = (v.affine(b2, 0.0)? + (g.affine(1.0 - b2, 0.0)? * g)?)?;
+    let denom = (v.sqrt()? / bc2)?.affine(1.0, eps)?;
+    let p = ((m.affine(-step, 0.0)? / denom)? + p)?;
+    Ok((p, m, v))
+}
+
+fn check_adamw(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let n = 1 << 20;
+    let f32t = |rng: &mut Rng, s: f64| rng.randn(&[n], s, DType::F32, &Device::Cpu);
+    let (mut p, mut m) = (f32t(rng, 1.0)?, f32t(rng, 1e-3)?);
+    let mut v = f32t(rng, 1e-3)?.abs()?;
+    let (pg, mg, vg) = (p.to_device(gpu)?, m.to_device(gpu)?, v.to_device(gpu)?);
+    let model = pg.to_dtype(DType::BF16)?;
+    let (lr, wd, b1, b2, eps): (f64, f64, f64, f64, f64) = (3e-4, 0.1, 0.9, 0.98, 1e-8);
+    for t in 1..=3u64 {
+        let g = f32t(rng, 1e-2)?;
+        let bc1 = 1.0 - b1.powf(t as f64);
+        let bc2 = (1.0 - b2.powf(t as f64)).sqrt();
+        let c = vime_kernels::cuda::AdamConsts {
+            keep: (1.0 - lr * wd) as f32,
+            one_m_b1: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            one_m_b2: (1.0 - b2) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            eps: eps as f32,
+            neg_step: (-(lr / bc1)) as f32,
+            decay: 1,
+        };
+        vime_kernels::cuda::adamw_update(&pg, &g.to_device(gpu)?, &mg, &vg, Some(&model), c)?;
+        (p, m, v) = adamw_cpu(&p, &g, &m, &v, lr, wd, b1, b2, eps, t)?;
+    }
+    let mut worst = 0f32;
+    for (cpu, cuda) in [(&p, &pg), (&m, &mg), (&v, &vg)] {
+        let d = (cpu - cuda.to_device(&Device::Cpu)?)?
+            .abs()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        worst = worst.max(d);
+    }
+    let model_err = (model.to_device(&Device::Cpu)?.to_dtype(DType::F32)?
+        - p.to_dtype(DType::BF16)?.to_dtype(DType::F32)?)?
+    .abs()?
+    .max(0)?
+    .to_scalar::<f32>()?;
+    println!(
+        "{:<26} {:<52} max |cpu - cuda| over p, m, v after 3 steps {worst:e}, bf16 model copy {model_err:e}  {}",
+        "adamw",
+        format!("[{n}] f32"),
+        if worst == 0.0 && model_err == 0.0 { "ok" } else { "FAIL" }
+    );
+    if worst != 0.0 || model_err != 0.0 {
+        failures.push(format!("adamw: max abs diff {worst:e}, model copy {model_err:e}"));
+    }
+    Ok(())
+}
+
+/// Median wall time of `f` over `iters` runs after 2 warm-ups, CUDA-synchronised, in ms.
+fn median_ms(gpu: &Device, iters: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    gpu.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let t = Instant::now();
+        f()?;
+        gpu.synchronize()?;
+        ts.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(ts[iters / 2])
+}
+
+/// Forward and forward+backward (objective `sum(y * w)` with fixed `w`) of `op`.
+fn time_op(name: &str, shape: &str, gpu: &Device, op: Op, inputs: &[Tensor]) -> Result<()> {
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t)).collect::<Result<_>>()?;
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = op(&ts)?;
+    let w = Rng::new(3).randn(y.dims(), 1.0, DType::F32, gpu)?;
+    let fwd = median_ms(gpu, 20, &mut || op(&ts).map(|_| ()))?;
+    let both = median_ms(gpu, 20, &mut || {
+        let y = op(&ts)?;
+        let _g = (y.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+        Ok(())
+    })?;
+    println!("TIME {name} {shape} fwd_ms {fwd:.4} fwdbwd_ms {both:.4}");
+    Ok(())
+}
+
+#[test]
+fn timings_at_qwen3_4b_shapes() -> Result<()> {
+    let gpu = Device::new_cuda(0)?;
+    let bf = DType::BF16;
+    let mut rng = Rng::new(7);
+    let t = 4096usize;
+    let pos: Arc<[u32]> = (0..t as u32).collect::<Vec<_>>().into();
+    let x = rng.randn(&[t, 2560], 1.0, bf, &gpu)?;
+    let w = (rng.randn(&[2560], 0.1, DType::F32, &gpu)? + 1.0)?.to_dtype(bf)?;
+    time_op(
+        "rms_norm",
+        "4096x2560",
+        &gpu,
+        &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6),
+        &[x, w],
+    )?;
+    let q = rng.randn(&[t, 32, 128], 1.0, bf, &gpu)?;
+    let wn = (rng.randn(&[128], 0.1, DType::F32, &gpu)? + 1.0)?.to_dtype(bf)?;
+    time_op(
+        "rms_norm",
+        "4096x32x128",
+        &gpu,
+        &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6),
+        &[q.clone(), wn],
+    )?;
+    let p = pos.clone();
+    time_op(
+        "rope",
+        "4096x32x128",
+        &gpu,
+        &|a| vime_kernels::rope(&a[0], &p, 1e6),
+        &[q],
+    )?;
+    let g = rng.randn(&[t, 9728], 2.0, bf, &gpu)?;
+    let u = rng.randn(&[t, 9728], 1.0, bf, &gpu)?;
+    time_op(
+        "swiglu",
+        "4096x9728",
+        &gpu,
+        &|a| vime_kernels::swiglu(&a[0], &a[1]),
+        &[g, u],
+    )?;
+    for (seqs, len) in [(1usize, 4096usize), (2, 2048), (1, 8192)] {
+        let tt = seqs * len;
+        let cu: Arc<[u32]> = (0..=seqs as u32).map(|s| s * len as u32).collect::<Vec<_>>().into();
+        let q = rng.randn(&[tt, 32, 128], 1.0, bf, &gpu)?;
+        let k = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
+        let v = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
+        let scale = 1.0 / (128f64).sqrt();
+        let c = cu.clone();
+        time_op(
+            "attention",
+            &format!("{seqs}x{len}_h32_kv8_d128"),
+            &gpu,
+            &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
+            &[q, k, v],
+        )?;
+    }
+    let h = rng.randn(&[t, 2560], 1.0, bf, &gpu)?;
+    let lm = rng.randn(&[151936, 2560], 0.02, bf, &gpu)?;
+    let targets: Arc<[u32]> = (0..t)
+        .map(|_| (rng.next_u64() % 151936) as u32)
+        .collect::<Vec<_>>()
+        .into();
+    time_op(
+        "lm_head_logprob_entropy",
+        "4096x2560_v151936",
+        &gpu,
+        &|a| {
+            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], &targets, 4096)?;
+            Tensor::cat(&[lp, ent], 0)
+        },
+        &[h, lm],
+    )?;
+    // AdamW over a flat buffer of 2^28 f32 parameters (bf16 model copy), as torch's fused AdamW
+    // is timed in torch_kernel_times.py.
+    let n = 1usize << 28;
+    let pbuf = Tensor::zeros(n, DType::F32, &gpu)?;
+    let (m, v) = (Tensor::zeros(n, DType::F32, &gpu)?, Tensor::zeros(n, DType::F32, &gpu)?);
+    let gbuf = Tensor::ones(n, DType::F32, &gpu)?.affine(1e-3, 0.0)?;
+    let model = Tensor::zeros(n, bf, &gpu)?;
+    let c = vime_kernels::cuda::AdamConsts {
+        keep: 0.99997,
+        one_m_b1: 0.1,
+        b2: 0.98,
+        one_m_b2: 0.02,
+        inv_bc2: 1.0,
+        eps: 1e-8,
+        neg_step: -3e-4,
+        decay: 1,
+    };
+    let ms = median_ms(&gpu, 20, &mut || {
+        vime_kernels::cuda::adamw_update(&pbuf, &gbuf, &m, &v, Some(&model), c)
+    })?;
+    println!("TIME adamw 268435456 step_ms {ms:.4}");
     Ok(())
 }

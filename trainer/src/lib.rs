@@ -7,6 +7,7 @@
 //! - [`ckpt`]: atomic training checkpoints (HF model + optimizer + loop state) and exact resume.
 //! - [`score`]: the `vime-train logprobs` scoring command.
 pub mod batching;
+pub mod bench;
 pub mod ckpt;
 pub mod critic;
 pub mod demo;

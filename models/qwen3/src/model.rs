@@ -171,7 +171,13 @@ impl Qwen3 {
         } else {
             Some(get("lm_head.weight")?)
         };
-        let logits_chunk_tokens = ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096);
+        // CPU: about 2^26 logits per chunk. The fused CUDA LM head (bf16) also splits the
+        // vocabulary (kernels/src/cuda.rs), so its token chunks can be large.
+        let logits_chunk_tokens = if vime_kernels::fused_cuda(embed.device(), embed.dtype()) {
+            4096
+        } else {
+            ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096)
+        };
         Ok(Self {
             cfg,
             embed,

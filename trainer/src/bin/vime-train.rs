@@ -48,6 +48,9 @@ enum Cmd {
         #[arg(long, default_value_t = 8192)]
         max_tokens_per_batch: usize,
     },
+    /// Times the training step (forward + backward + AdamW) of a random-init Qwen3 release shape
+    /// on synthetic tokens: tokens/s, MFU, peak memory (see vime_trainer::bench).
+    BenchStep(vime_trainer::bench::BenchArgs),
     /// Writes a synthetic task (prompts, eval set, tokenizer, a tiny random Qwen3) for the demo.
     MakeTask(vime_trainer::demo::MakeTaskArgs),
     /// Log-probs, entropies and the gradient of a fixed objective on one packed batch (parity checks).
@@ -139,6 +142,10 @@ fn run(cli: Cli) -> Result<i32> {
                 t1.elapsed().as_secs_f64(),
                 output.display()
             );
+            Ok(0)
+        }
+        Some(Cmd::BenchStep(args)) => {
+            vime_trainer::bench::run(&args)?;
             Ok(0)
         }
         Some(Cmd::MakeTask(args)) => {

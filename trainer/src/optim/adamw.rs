@@ -11,9 +11,12 @@
 //! - The master copy is f32. For a model held in f32 the model's `Var` *is* the master (no second
 //!   copy); for bf16/f16 a separate f32 tensor is kept and the model receives its cast after every
 //!   step, so updates smaller than the model dtype's resolution still accumulate.
-//! - Moments start at zero and live on the parameter's device. Each step builds new tensors and
-//!   only the model's `Var`s are written in place, so tensors handed out by `state_tensors` stay
-//!   valid snapshots.
+//! - Moments start at zero and live on the parameter's device. On the CPU each step builds new
+//!   tensors and only the model's `Var`s are written in place. On CUDA (with the `cuda` feature,
+//!   bf16 or f32 models) one fused kernel per parameter updates master, moments and the model copy
+//!   in place (`vime_kernels::cuda::adamw_update`), with the same f32 operations in the same order,
+//!   so both paths give the same bits. `state_tensors` returns snapshots either way (copies on
+//!   the CPU when the state lives on a CUDA device).
 //! - `step` checks every gradient (present, right shape, no unknown names) before touching any
 //!   state, so a failed call changes nothing.
 //! - Checkpoint state is `master.<name>`, `exp_avg.<name>`, `exp_avg_sq.<name>` (f32) plus the step
@@ -93,14 +96,15 @@ impl AdamW {
                 DType::F32 => None,
                 _ => Some(var.as_detached_tensor().to_dtype(DType::F32)?),
             };
-            let zeros = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+            // Two buffers, not one shared: the fused CUDA update writes them in place.
+            let zeros = || Tensor::zeros(var.shape(), DType::F32, var.device());
             states.push(ParamState {
                 name: name.clone(),
                 weight_decay: decay(name, var.dims()),
                 var: var.clone(),
                 master,
-                exp_avg: zeros.clone(),
-                exp_avg_sq: zeros,
+                exp_avg: zeros()?,
+                exp_avg_sq: zeros()?,
             });
         }
         Ok(AdamW {
@@ -186,6 +190,32 @@ impl AdamW {
         let step_size = lr / bias_correction1;
         let (beta1, beta2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
         for p in self.params.iter_mut() {
+            #[cfg(feature = "cuda")]
+            if fused_cuda(p) {
+                let decay = if p.weight_decay { lr * wd } else { 0.0 };
+                let c = vime_kernels::cuda::AdamConsts {
+                    keep: (1.0 - decay) as f32,
+                    one_m_b1: (1.0 - beta1) as f32,
+                    b2: beta2 as f32,
+                    one_m_b2: (1.0 - beta2) as f32,
+                    inv_bc2: (1.0 / bias_correction2_sqrt) as f32,
+                    eps: eps as f32,
+                    neg_step: (-step_size) as f32,
+                    decay: (decay != 0.0) as i32,
+                };
+                let g = grads[&p.name].contiguous()?;
+                let g = match g.dtype() {
+                    DType::F32 | DType::BF16 => g,
+                    _ => g.to_dtype(DType::F32)?,
+                };
+                let model = p.var.as_tensor();
+                let res = match &p.master {
+                    Some(m) => vime_kernels::cuda::adamw_update(m, &g, &p.exp_avg, &p.exp_avg_sq, Some(model), c),
+                    None => vime_kernels::cuda::adamw_update(model, &g, &p.exp_avg, &p.exp_avg_sq, None, c),
+                };
+                res.with_context(|| format!("fused AdamW update of {}", p.name))?;
+                continue;
+            }
             let name = p.name.clone();
             let update = || -> Result<(Tensor, Tensor, Tensor)> {
                 let g = grads[&p.name].to_dtype(DType::F32)?.to_device(p.var.device())?;
@@ -222,9 +252,17 @@ impl AdamW {
                 Some(m) => m.clone(),
                 None => p.var.as_detached_tensor().copy()?,
             };
-            out.insert(format!("master.{}", p.name), master);
-            out.insert(format!("exp_avg.{}", p.name), p.exp_avg.clone());
-            out.insert(format!("exp_avg_sq.{}", p.name), p.exp_avg_sq.clone());
+            // CUDA state is updated in place by the fused kernel: hand out host copies.
+            let snap = |t: Tensor| -> Result<Tensor> {
+                Ok(if t.device().is_cuda() {
+                    t.to_device(&candle_core::Device::Cpu)?
+                } else {
+                    t
+                })
+            };
+            out.insert(format!("master.{}", p.name), snap(master)?);
+            out.insert(format!("exp_avg.{}", p.name), snap(p.exp_avg.clone())?);
+            out.insert(format!("exp_avg_sq.{}", p.name), snap(p.exp_avg_sq.clone())?);
         }
         Ok(out)
     }
@@ -277,12 +315,20 @@ impl AdamW {
             if p.master.is_some() {
                 p.master = Some(master);
             }
-            p.exp_avg = exp_avg;
-            p.exp_avg_sq = exp_avg_sq;
+            // Private copies: the fused CUDA update writes them in place.
+            p.exp_avg = exp_avg.copy()?;
+            p.exp_avg_sq = exp_avg_sq.copy()?;
         }
         self.num_steps = num_steps;
         Ok(())
     }
+}
+
+/// Whether `p` takes the fused CUDA AdamW kernel: a CUDA parameter held in bf16 (separate f32
+/// master) or f32 (the var is the master).
+#[cfg(feature = "cuda")]
+fn fused_cuda(p: &ParamState) -> bool {
+    p.var.device().is_cuda() && matches!(p.var.dtype(), DType::BF16 | DType::F32)
 }
 
 /// `var <- master` cast to the var's dtype.

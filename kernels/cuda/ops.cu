@@ -1,0 +1,352 @@
+// vime's fused CUDA kernels for everything but attention (flash_attn.cu holds that): RMSNorm,
+// RoPE, SwiGLU, the LM head's log-prob/entropy pieces and AdamW. Compiled to PTX by
+// kernels/build.rs behind the `cuda` feature and loaded by kernels/src/cuda.rs.
+//
+// Contract (the same as the CPU kernels in kernels/src/*.rs): bf16 in and out, every statistic,
+// reduction and transcendental in f32, one rounding on output. The CPU kernels are the reference
+// (scripts/gpu/check_kernels.sh holds each kernel to them, forward and backward).
+//
+// Launch shapes are chosen on the Rust side (kernels/src/cuda.rs); each kernel says what it
+// expects. Pointers to packed outputs (`[dx ++ dw]` and the like) arrive already offset.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `scratch` holds 33 floats; the call ends with a barrier so scratch can be reused at once.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < nwarps ? scratch[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) scratch[32] = t;
+    }
+    __syncthreads();
+    float r = scratch[32];
+    __syncthreads();
+    return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// RMSNorm: y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) (computed as the CPU kernel does:
+// 1 / sqrt(ss / d + eps)). One block per row, rows strided over the grid; each thread keeps its
+// columns (c = tid + i * blockDim) in registers, so d <= RMS_MAXC * blockDim.
+// ------------------------------------------------------------------------------------------------
+#define RMS_MAXC 16
+
+extern "C" __global__ void vime_rmsnorm_fwd(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                            bf16* __restrict__ y, int rows, int d, float eps) {
+    __shared__ float scratch[33];
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const bf16* xr = x + (size_t)r * d;
+        float xv[RMS_MAXC];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMS_MAXC; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            xv[i] = c < d ? __bfloat162float(xr[c]) : 0.f;
+            ss += xv[i] * xv[i];
+        }
+        ss = block_sum(ss, scratch);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        bf16* yr = y + (size_t)r * d;
+#pragma unroll
+        for (int i = 0; i < RMS_MAXC; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < d) yr[c] = __float2bfloat16(xv[i] * rstd * __bfloat162float(w[c]));
+        }
+    }
+}
+
+// dx = rstd * (g*w - xhat * mean(g*w*xhat)), xhat = x * rstd; block b writes its partial
+// dw[c] = sum over its rows of g*xhat to dw_part[b * d + c] (f32), summed by vime_colsum_bf16.
+extern "C" __global__ void vime_rmsnorm_bwd(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                            const bf16* __restrict__ g, bf16* __restrict__ dx,
+                                            float* __restrict__ dw_part, int rows, int d, float eps) {
+    __shared__ float scratch[33];
+    float dwv[RMS_MAXC];
+    float wv[RMS_MAXC];
+#pragma unroll
+    for (int i = 0; i < RMS_MAXC; ++i) {
+        int c = threadIdx.x + i * blockDim.x;
+        dwv[i] = 0.f;
+        wv[i] = c < d ? __bfloat162float(w[c]) : 0.f;
+    }
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const bf16* xr = x + (size_t)r * d;
+        const bf16* gr = g + (size_t)r * d;
+        float xv[RMS_MAXC], gv[RMS_MAXC];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMS_MAXC; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            xv[i] = c < d ? __bfloat162float(xr[c]) : 0.f;
+            gv[i] = c < d ? __bfloat162float(gr[c]) : 0.f;
+            ss += xv[i] * xv[i];
+        }
+        ss = block_sum(ss, scratch);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMS_MAXC; ++i) {
+            float xhat = xv[i] * rstd;
+            dwv[i] += gv[i] * xhat;
+            dot += gv[i] * wv[i] * xhat;
+        }
+        dot = block_sum(dot, scratch);
+        const float mean = dot / (float)d;
+        bf16* dxr = dx + (size_t)r * d;
+#pragma unroll
+        for (int i = 0; i < RMS_MAXC; ++i) {
+            int c = threadIdx.x + i * blockDim.x;
+            if (c < d) dxr[c] = __float2bfloat16(rstd * (gv[i] * wv[i] - xv[i] * rstd * mean));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RMS_MAXC; ++i) {
+        int c = threadIdx.x + i * blockDim.x;
+        if (c < d) dw_part[(size_t)blockIdx.x * d + c] = dwv[i];
+    }
+}
+
+// out[c] = bf16(sum_b part[b * d + c]) for c < d; one thread per column, blocks in a fixed order
+// (deterministic).
+extern "C" __global__ void vime_colsum_bf16(const float* __restrict__ part, bf16* __restrict__ out,
+                                            int nparts, int d) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    float s = 0.f;
+    for (int b = 0; b < nparts; ++b) s += part[(size_t)b * d + c];
+    out[c] = __float2bfloat16(s);
+}
+
+// ------------------------------------------------------------------------------------------------
+// RoPE (rotate_half): x [T, H, D], one thread per (token, head, j < D/2). The angle is computed as
+// the CPU kernel does in f32: pos * (1 / theta^(2j / D)); sign = -1 is the backward (rotation by
+// the opposite angle).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void vime_rope(const bf16* __restrict__ x, bf16* __restrict__ y,
+                                     const unsigned int* __restrict__ pos, int t, int h, int d,
+                                     float theta, float sign) {
+    const int half = d >> 1;
+    const size_t n = (size_t)t * h * half;
+    for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        const int j = idx % half;
+        const size_t th = idx / half;  // token * h + head
+        const int tok = th / h;
+        const float inv_freq = 1.f / powf(theta, (float)(2 * j) / (float)d);
+        const float a = (float)pos[tok] * inv_freq;
+        float s, c;
+        sincosf(a, &s, &c);
+        s *= sign;
+        const bf16* xr = x + th * d;
+        bf16* yr = y + th * d;
+        const float x1 = __bfloat162float(xr[j]), x2 = __bfloat162float(xr[j + half]);
+        yr[j] = __float2bfloat16(x1 * c - x2 * s);
+        yr[j + half] = __float2bfloat16(x2 * c + x1 * s);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// SwiGLU: y = silu(g) * u, silu(g) = g * sigmoid(g). Backward, packed [d_gate ++ d_up]:
+//   d_gate = gy * u * sig * (1 + g * (1 - sig)),  d_up = gy * silu(g)
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-g)); }
+
+extern "C" __global__ void vime_swiglu_fwd(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                           bf16* __restrict__ y, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float g = __bfloat162float(gate[i]);
+        y[i] = __float2bfloat16(g * sigmoidf_(g) * __bfloat162float(up[i]));
+    }
+}
+
+extern "C" __global__ void vime_swiglu_bwd(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                           const bf16* __restrict__ gy, bf16* __restrict__ dgate,
+                                           bf16* __restrict__ dup, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float g = __bfloat162float(gate[i]), u = __bfloat162float(up[i]), o = __bfloat162float(gy[i]);
+        const float sg = sigmoidf_(g);
+        dgate[i] = __float2bfloat16(o * u * sg * (1.f + g * (1.f - sg)));
+        dup[i] = __float2bfloat16(o * g * sg);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// LM head log-prob + entropy, vocabulary-chunked. The logits of one [rows, vc] chunk come from a
+// cuBLAS GEMM (bf16 x bf16 -> f32) on the Rust side; these kernels keep per-row running softmax
+// statistics relative to the running max M:
+//   s = sum exp(z - M),  a = sum exp(z - M) * (z - M)
+// so that lse = M + log s and entropy = log s - a / s (no cancellation against M).
+// One block per row (blockDim 256), rows < nrows of the chunk starting at token row0.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < nwarps ? scratch[lane] : -INFINITY;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(FULL_MASK, t, o));
+        if (lane == 0) scratch[32] = t;
+    }
+    __syncthreads();
+    float r = scratch[32];
+    __syncthreads();
+    return r;
+}
+
+// stats: [T, 4] f32 = (M, s, a, target logit), initialised by the caller to (-inf, 0, 0, 0).
+extern "C" __global__ void vime_lmhead_stats(const float* __restrict__ logits, int vc, int v0,
+                                             const unsigned int* __restrict__ targets, int row0,
+                                             float* __restrict__ stats) {
+    __shared__ float scratch[33];
+    const int r = blockIdx.x;
+    const float* z = logits + (size_t)r * vc;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < vc; j += blockDim.x) m = fmaxf(m, z[j]);
+    m = block_max(m, scratch);
+    float s = 0.f, a = 0.f;
+    for (int j = threadIdx.x; j < vc; j += blockDim.x) {
+        const float zz = z[j] - m;
+        const float e = expf(zz);
+        s += e;
+        a += e * zz;
+    }
+    s = block_sum(s, scratch);
+    a = block_sum(a, scratch);
+    if (threadIdx.x == 0) {
+        float* st = stats + (size_t)(row0 + r) * 4;
+        const unsigned int tg = targets[row0 + r];
+        if (tg >= (unsigned int)v0 && tg < (unsigned int)(v0 + vc)) st[3] = z[tg - v0];
+        const float m0 = st[0], s0 = st[1], a0 = st[2];
+        const float mm = fmaxf(m0, m);
+        // old part rescaled to mm (empty when m0 = -inf), chunk part rescaled to mm
+        float sn = 0.f, an = 0.f;
+        if (s0 > 0.f) {
+            const float f = expf(m0 - mm);
+            sn += s0 * f;
+            an += (a0 + (m0 - mm) * s0) * f;
+        }
+        const float fc = expf(m - mm);
+        sn += s * fc;
+        an += (a + (m - mm) * s) * fc;
+        st[0] = mm;
+        st[1] = sn;
+        st[2] = an;
+    }
+}
+
+// out: [T, 3] f32 (logprob, entropy, lse); the lse column is for the backward. IGNORE (u32 max)
+// targets get logprob 0.
+extern "C" __global__ void vime_lmhead_finish(const float* __restrict__ stats,
+                                              const unsigned int* __restrict__ targets, float* __restrict__ out,
+                                              int t) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= t) return;
+    const float m = stats[i * 4], s = stats[i * 4 + 1], a = stats[i * 4 + 2], zt = stats[i * 4 + 3];
+    const float ls = logf(s);
+    const float l = m + ls;
+    out[i * 3] = targets[i] == 0xffffffffu ? 0.f : zt - l;
+    out[i * 3 + 1] = ls - a / s;
+    out[i * 3 + 2] = l;
+}
+
+// dz = g_lp * (1[j = target] - p) - g_ent * p * (logp + H), p = exp(z - lse), logp = z - lse,
+// H the row's entropy; written as bf16 for the two backward GEMMs (as torch's bf16 autograd has
+// the logits' gradient). fwd: [T, 3] the forward output, grad: [T, 3] its gradient (the lse
+// column's gradient is ignored: lse is an internal output).
+extern "C" __global__ void vime_lmhead_dlogits(const float* __restrict__ logits, int vc, int v0,
+                                               const unsigned int* __restrict__ targets, int row0,
+                                               const float* __restrict__ fwd, const float* __restrict__ grad,
+                                               bf16* __restrict__ dz) {
+    const int r = blockIdx.x;
+    const int row = row0 + r;
+    const float h = fwd[row * 3 + 1], l = fwd[row * 3 + 2];
+    const unsigned int tg = targets[row];
+    const float glp = tg == 0xffffffffu ? 0.f : grad[row * 3];
+    const float gent = grad[row * 3 + 1];
+    const float* z = logits + (size_t)r * vc;
+    bf16* d = dz + (size_t)r * vc;
+    for (int j = threadIdx.x; j < vc; j += blockDim.x) {
+        const float logp = z[j] - l;
+        const float p = expf(logp);
+        float v = -glp * p - gent * p * (logp + h);
+        if ((unsigned int)(v0 + j) == tg) v += glp;
+        d[j] = __float2bfloat16(v);
+    }
+}
+
+extern "C" __global__ void vime_f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = __float2bfloat16(x[i]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// AdamW over flat f32 buffers, in place, exactly the sequence of the CPU path
+// (trainer/src/optim/adamw.rs, torch.optim.AdamW's order) with the same f32 constants (the host
+// rounds each f64 constant to f32 once, as candle's affine does), each operation rounded as there
+// (explicit _rn intrinsics: no FMA contraction), so CUDA and CPU agree bit for bit:
+//   p <- p * keep                    (keep = 1 - lr * wd; skipped when decay is off)
+//   m <- (g - m) * one_m_b1 + m
+//   v <- v * b2 + (g * one_m_b2) * g
+//   p <- (m * neg_step) / (sqrt(v) * inv_bc2 + eps) + p
+// and the model copy (bf16, may be null) receives bf16(p).
+// ------------------------------------------------------------------------------------------------
+template <typename G>
+__device__ __forceinline__ float load_g(const G* g, size_t i);
+template <>
+__device__ __forceinline__ float load_g<float>(const float* g, size_t i) { return g[i]; }
+template <>
+__device__ __forceinline__ float load_g<bf16>(const bf16* g, size_t i) { return __bfloat162float(g[i]); }
+
+struct AdamConsts {
+    float keep, one_m_b1, b2, one_m_b2, inv_bc2, eps, neg_step;
+    int decay;
+};
+
+template <typename G>
+__device__ __forceinline__ void adamw_body(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
+                                           float* __restrict__ v, bf16* __restrict__ model, size_t n,
+                                           const AdamConsts c) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float gi = load_g<G>(g, i);
+        float pi = p[i];
+        if (c.decay) pi = __fmul_rn(pi, c.keep);
+        float mi = m[i];
+        mi = __fadd_rn(__fmul_rn(__fsub_rn(gi, mi), c.one_m_b1), mi);
+        float vi = v[i];
+        vi = __fadd_rn(__fmul_rn(vi, c.b2), __fmul_rn(__fmul_rn(gi, c.one_m_b2), gi));
+        const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(vi), c.inv_bc2), c.eps);
+        pi = __fadd_rn(__fdiv_rn(__fmul_rn(mi, c.neg_step), denom), pi);
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (model) model[i] = __float2bfloat16(pi);
+    }
+}
+
+extern "C" __global__ void vime_adamw_f32g(float* p, const float* g, float* m, float* v, bf16* model, size_t n,
+                                           AdamConsts c) {
+    adamw_body<float>(p, g, m, v, model, n, c);
+}
+
+extern "C" __global__ void vime_adamw_bf16g(float* p, const bf16* g, float* m, float* v, bf16* model, size_t n,
+                                            AdamConsts c) {
+    adamw_body<bf16>(p, g, m, v, model, n, c);
+}

@@ -1,0 +1,865 @@
+//! Host side of the fused CUDA kernels (`cuda/ops.cu`, `cuda/flash_attn.cu`, compiled to PTX by
+//! `build.rs`): argument checks, allocation, launch shapes, and the cuBLAS GEMMs of the LM head.
+//!
+//! The fused kernels take bf16 tensors (the training dtype on the GPU); every other dtype on a
+//! CUDA device runs the composed path ([`crate::composed`]). The public ops pick the path with
+//! [`fused`].
+//!
+//! Decisions:
+//! - Kernels get raw device pointers (with the layout's offset applied) rather than `CudaSlice`
+//!   borrows: outputs are often slices of one packed buffer, and everything runs on candle's one
+//!   stream, so stream order is the only synchronisation needed.
+//! - Host metadata (positions, `cu_seqlens`, targets) is copied to the device per call (a few KB;
+//!   a pageable host-to-device copy, which returns once the copy is staged).
+//! - The LM head computes each `[rows, chunk]` block of logits with a cuBLAS GEMM, bf16 inputs and
+//!   f32 output (the logits are never rounded to bf16), then folds it into per-row running softmax
+//!   statistics; the backward recomputes the block, turns it into `dlogits` (bf16, as torch's bf16
+//!   autograd has it) and runs two GEMMs. At most `rows x VOCAB_CHUNK` logits exist at a time.
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId, WrapErr};
+use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
+use std::sync::{Arc, Mutex, OnceLock};
+
+const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
+const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+
+/// Vocabulary columns per logits block of the LM head.
+const VOCAB_CHUNK: usize = 16384;
+/// RMSNorm keeps `RMS_MAXC` columns per thread in registers (see ops.cu).
+const RMS_MAXC: usize = 16;
+
+/// Whether the fused CUDA kernels take tensors of this device and dtype.
+pub(crate) fn fused(device: &candle_core::Device, dtype: DType) -> bool {
+    device.is_cuda() && dtype == DType::BF16
+}
+
+/// vime's own module cache: (device, module) -> loaded module. candle's custom-module cache
+/// hands out functions whose attributes (the dynamic shared-memory limit) cannot be set.
+type ModuleCache = Mutex<Vec<(DeviceId, &'static str, Arc<CudaModule>)>>;
+static MODULES: OnceLock<ModuleCache> = OnceLock::new();
+
+fn load(dev: &CudaDevice, module: &'static str, ptx: &'static str, name: &str) -> Result<CudaFunction> {
+    let cache = MODULES.get_or_init(|| Mutex::new(Vec::new()));
+    let mut cache = cache.lock().unwrap();
+    let m = match cache.iter().find(|(d, m, _)| *d == dev.id() && *m == module) {
+        Some((_, _, m)) => m.clone(),
+        None => {
+            let m = dev.cuda_stream().context().load_module(Ptx::from_src(ptx)).w()?;
+            cache.push((dev.id(), module, m.clone()));
+            m
+        }
+    };
+    m.load_function(name).w()
+}
+
+fn ops_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load(dev, "vime_ops", OPS_PTX, name)
+}
+
+fn flash_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load(dev, "vime_flash_attn", FLASH_PTX, name)
+}
+
+/// A launch of `f` on the device's (candle's) stream.
+macro_rules! launch {
+    ($dev:expr, $f:expr, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let stream = $dev.cuda_stream();
+        let mut b = stream.launch_builder(&$f);
+        $( b.arg($arg); )*
+        unsafe { b.launch($cfg) }.w()?;
+    }};
+}
+
+/// Device address of a contiguous tensor's first element.
+fn addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, what: &str) -> Result<u64> {
+    if !l.is_contiguous() {
+        bail!(
+            "{what}: the fused CUDA kernels need contiguous tensors, got strides {:?}",
+            l.stride()
+        );
+    }
+    let slice = s.as_cuda_slice::<T>()?;
+    let stream = s.device.cuda_stream();
+    let (p, _sync) = slice.device_ptr(&stream);
+    Ok(p + (l.start_offset() * std::mem::size_of::<T>()) as u64)
+}
+
+fn slice_addr<T>(s: &CudaSlice<T>, dev: &CudaDevice) -> u64 {
+    let stream = dev.cuda_stream();
+    let (p, _sync) = s.device_ptr(&stream);
+    p
+}
+
+/// The CUDA storage and layout of a tensor that rides in an op struct.
+fn tensor_addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(t: &Tensor, what: &str) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cuda(s) => addr::<T>(s, layout, what),
+        _ => bail!("{what}: tensor is not on a CUDA device"),
+    }
+}
+
+fn grid_for(n: usize, threads: u32) -> u32 {
+    (n.div_ceil(threads as usize)).clamp(1, 65_535 * 8) as u32
+}
+
+fn cfg(grid: u32, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn upload_u32(dev: &CudaDevice, v: &[u32]) -> Result<CudaSlice<u32>> {
+    if v.is_empty() {
+        return dev.alloc_zeros::<u32>(1);
+    }
+    dev.cuda_stream().clone_htod(v).w()
+}
+
+fn check_bf16(op: &str, dtypes: &[DType]) -> Result<()> {
+    if let Some(d) = dtypes.iter().find(|d| **d != DType::BF16) {
+        bail!("{op}: the fused CUDA kernel takes bf16 only, got {d:?}");
+    }
+    Ok(())
+}
+
+fn i32_of(op: &str, what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("{op}: {what} {n} exceeds i32")))
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm
+// ---------------------------------------------------------------------------------------------
+
+fn rms_threads(d: usize) -> Result<u32> {
+    let threads = d.div_ceil(RMS_MAXC).div_ceil(32).clamp(1, 32) * 32;
+    if threads * RMS_MAXC < d {
+        bail!(
+            "rms_norm: the fused CUDA kernel handles rows of at most {} elements, got {d}",
+            1024 * RMS_MAXC
+        );
+    }
+    Ok(threads as u32)
+}
+
+pub(crate) fn rms_norm_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("rms_norm", &[x.dtype(), w.dtype()])?;
+    let dev = &x.device;
+    let d = *lx.dims().last().unwrap_or(&1);
+    let n = lx.shape().elem_count();
+    let rows = n.checked_div(d).unwrap_or(0);
+    let out = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
+    if rows > 0 {
+        let (xp, wp, yp) = (
+            addr::<bf16>(x, lx, "rms_norm")?,
+            addr::<bf16>(w, lw, "rms_norm")?,
+            slice_addr(&out, dev),
+        );
+        let (rows_i, d_i, eps_f) = (
+            i32_of("rms_norm", "rows", rows)?,
+            i32_of("rms_norm", "d", d)?,
+            eps as f32,
+        );
+        let f = ops_fn(dev, "vime_rmsnorm_fwd")?;
+        launch!(
+            dev,
+            f,
+            cfg(rows.min(132 * 16) as u32, rms_threads(d)?),
+            [&xp, &wp, &yp, &rows_i, &d_i, &eps_f]
+        );
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
+}
+
+/// Packed `[dx (flat) ++ dw]`, bf16.
+pub(crate) fn rms_norm_bwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    eps: f64,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("rms_norm backward", &[x.dtype(), w.dtype(), g.dtype()])?;
+    let dev = &x.device;
+    let d = *lx.dims().last().unwrap_or(&1);
+    let n = lx.shape().elem_count();
+    let rows = n.checked_div(d).unwrap_or(0);
+    let out = dev.alloc_zeros::<bf16>(n + d)?;
+    if rows > 0 {
+        let blocks = rows.min(132 * 4);
+        let part = unsafe { dev.alloc::<f32>(blocks * d) }?;
+        let (xp, wp, gp) = (
+            addr::<bf16>(x, lx, "rms_norm backward")?,
+            addr::<bf16>(w, lw, "rms_norm backward")?,
+            addr::<bf16>(g, lg, "rms_norm backward")?,
+        );
+        let dxp = slice_addr(&out, dev);
+        let dwp = dxp + (n * 2) as u64;
+        let pp = slice_addr(&part, dev);
+        let (rows_i, d_i, eps_f) = (
+            i32_of("rms_norm", "rows", rows)?,
+            i32_of("rms_norm", "d", d)?,
+            eps as f32,
+        );
+        let f = ops_fn(dev, "vime_rmsnorm_bwd")?;
+        launch!(
+            dev,
+            f,
+            cfg(blocks as u32, rms_threads(d)?),
+            [&xp, &wp, &gp, &dxp, &pp, &rows_i, &d_i, &eps_f]
+        );
+        let nparts = blocks as i32;
+        let f = ops_fn(dev, "vime_colsum_bf16")?;
+        launch!(dev, f, cfg(grid_for(d, 256), 256), [&pp, &dwp, &nparts, &d_i]);
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(n + d)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+// ---------------------------------------------------------------------------------------------
+
+pub(crate) fn rope(
+    x: &CudaStorage,
+    lx: &Layout,
+    positions: &[u32],
+    theta: f64,
+    sign: f64,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("rope", &[x.dtype()])?;
+    let dev = &x.device;
+    let dims = lx.dims();
+    let (t, h, d) = (dims[0], dims[1], dims[2]);
+    let n = t * h * d;
+    let out = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
+    if n > 0 {
+        let pos = upload_u32(dev, positions)?;
+        let (xp, yp, pp) = (
+            addr::<bf16>(x, lx, "rope")?,
+            slice_addr(&out, dev),
+            slice_addr(&pos, dev),
+        );
+        let (t_i, h_i, d_i) = (
+            i32_of("rope", "tokens", t)?,
+            i32_of("rope", "heads", h)?,
+            i32_of("rope", "head_dim", d)?,
+        );
+        let (theta_f, sign_f) = (theta as f32, sign as f32);
+        let f = ops_fn(dev, "vime_rope")?;
+        launch!(
+            dev,
+            f,
+            cfg(grid_for(n / 2, 256), 256),
+            [&xp, &yp, &pp, &t_i, &h_i, &d_i, &theta_f, &sign_f]
+        );
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+// ---------------------------------------------------------------------------------------------
+
+pub(crate) fn swiglu_fwd(g: &CudaStorage, lg: &Layout, u: &CudaStorage, lu: &Layout) -> Result<(CudaStorage, Shape)> {
+    check_bf16("swiglu", &[g.dtype(), u.dtype()])?;
+    let dev = &g.device;
+    let n = lg.shape().elem_count();
+    let out = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
+    if n > 0 {
+        let (gp, up, yp) = (
+            addr::<bf16>(g, lg, "swiglu")?,
+            addr::<bf16>(u, lu, "swiglu")?,
+            slice_addr(&out, dev),
+        );
+        let n64 = n as u64;
+        let f = ops_fn(dev, "vime_swiglu_fwd")?;
+        launch!(dev, f, cfg(grid_for(n, 256), 256), [&gp, &up, &yp, &n64]);
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lg.shape().clone()))
+}
+
+/// Packed `[d_gate ++ d_up]`, bf16.
+pub(crate) fn swiglu_bwd(
+    g: &CudaStorage,
+    lg: &Layout,
+    u: &CudaStorage,
+    lu: &Layout,
+    gy: &CudaStorage,
+    lgy: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("swiglu backward", &[g.dtype(), u.dtype(), gy.dtype()])?;
+    let dev = &g.device;
+    let n = lg.shape().elem_count();
+    let out = unsafe { dev.alloc::<bf16>((2 * n).max(1)) }?;
+    if n > 0 {
+        let (gp, up, gyp) = (
+            addr::<bf16>(g, lg, "swiglu backward")?,
+            addr::<bf16>(u, lu, "swiglu backward")?,
+            addr::<bf16>(gy, lgy, "swiglu backward")?,
+        );
+        let dgp = slice_addr(&out, dev);
+        let dup = dgp + (n * 2) as u64;
+        let n64 = n as u64;
+        let f = ops_fn(dev, "vime_swiglu_bwd")?;
+        launch!(dev, f, cfg(grid_for(n, 256), 256), [&gp, &up, &gyp, &dgp, &dup, &n64]);
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(2 * n)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// LM head: log-prob + entropy
+// ---------------------------------------------------------------------------------------------
+
+/// `C (col-major m x n, f32 or bf16) = alpha * op(A) op(B) + beta * C` with bf16 A, B.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm(
+    dev: &CudaDevice,
+    ta: bool,
+    tb: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: u64,
+    lda: usize,
+    b: u64,
+    ldb: usize,
+    beta: f32,
+    c: u64,
+    c_f32: bool,
+    ldc: usize,
+) -> Result<()> {
+    let blas_handle = dev.cublas_handle();
+    let op = |t: bool| {
+        if t {
+            blas_sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            blas_sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let alpha = 1.0f32;
+    let c_type = if c_f32 {
+        blas_sys::cudaDataType::CUDA_R_32F
+    } else {
+        blas_sys::cudaDataType::CUDA_R_16BF
+    };
+    let to_i =
+        |v: usize| i32::try_from(v).map_err(|_| candle_core::Error::Msg(format!("gemm dimension {v} exceeds i32")));
+    blas::gemm_ex(
+        *blas_handle.handle(),
+        op(ta),
+        op(tb),
+        to_i(m)?,
+        to_i(n)?,
+        to_i(k)?,
+        &alpha as *const f32 as *const _,
+        a as *const _,
+        blas_sys::cudaDataType::CUDA_R_16BF,
+        to_i(lda)?,
+        b as *const _,
+        blas_sys::cudaDataType::CUDA_R_16BF,
+        to_i(ldb)?,
+        &beta as *const f32 as *const _,
+        c as *mut _,
+        c_type,
+        to_i(ldc)?,
+        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+    )
+    .map_err(|e| candle_core::Error::Msg(format!("cuBLAS GemmEx: {e:?}")))
+}
+
+/// Forward: `[T, 3]` f32 = (logprob, entropy, lse) per token. The public op narrows the first two
+/// columns; the backward reads lse from the saved output.
+pub(crate) fn lm_head_fwd(
+    h: &CudaStorage,
+    lh: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    targets: &[u32],
+    chunk_tokens: usize,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("logprobs_entropy", &[h.dtype(), w.dtype()])?;
+    let dev = &h.device;
+    let (t, hid) = (lh.dims()[0], lh.dims()[1]);
+    let v = lw.dims()[0];
+    let out = dev.alloc_zeros::<f32>((t * 3).max(1))?;
+    if t == 0 {
+        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((0, 3))));
+    }
+    let hp = addr::<bf16>(h, lh, "logprobs_entropy")?;
+    let wp = addr::<bf16>(w, lw, "logprobs_entropy")?;
+    let tg = upload_u32(dev, targets)?;
+    let tgp = slice_addr(&tg, dev);
+    // (M, s, a, target logit) per row
+    let init: Vec<f32> = (0..t).flat_map(|_| [f32::NEG_INFINITY, 0.0, 0.0, 0.0]).collect();
+    let stats = dev.cuda_stream().clone_htod(&init).w()?;
+    let sp = slice_addr(&stats, dev);
+    let rows_max = chunk_tokens.max(1).min(t);
+    let vc_max = VOCAB_CHUNK.min(v);
+    let logits = unsafe { dev.alloc::<f32>(rows_max * vc_max) }?;
+    let lp = slice_addr(&logits, dev);
+    let f_stats = ops_fn(dev, "vime_lmhead_stats")?;
+    for row0 in (0..t).step_by(rows_max) {
+        let rows = rows_max.min(t - row0);
+        for v0 in (0..v).step_by(vc_max) {
+            let vc = vc_max.min(v - v0);
+            // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T
+            unsafe {
+                gemm(
+                    dev,
+                    true,
+                    false,
+                    vc,
+                    rows,
+                    hid,
+                    wp + (v0 * hid * 2) as u64,
+                    hid,
+                    hp + (row0 * hid * 2) as u64,
+                    hid,
+                    0.0,
+                    lp,
+                    true,
+                    vc,
+                )?;
+            }
+            let (vc_i, v0_i, row0_i) = (vc as i32, v0 as i32, row0 as i32);
+            launch!(
+                dev,
+                f_stats,
+                cfg(rows as u32, 256),
+                [&lp, &vc_i, &v0_i, &tgp, &row0_i, &sp]
+            );
+        }
+    }
+    let op = slice_addr(&out, dev);
+    let t_i = i32_of("logprobs_entropy", "tokens", t)?;
+    let f = ops_fn(dev, "vime_lmhead_finish")?;
+    launch!(dev, f, cfg(grid_for(t, 256), 256), [&sp, &tgp, &op, &t_i]);
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((t, 3))))
+}
+
+/// Backward: packed `[d_hidden (flat) ++ d_lm_head (flat)]`, bf16. `grad` is the gradient of the
+/// `[T, 3]` forward output (its third column is ignored), `fwd_out` that output.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn lm_head_bwd(
+    h: &CudaStorage,
+    lh: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    grad: &CudaStorage,
+    lg: &Layout,
+    fwd_out: &Tensor,
+    targets: &[u32],
+    chunk_tokens: usize,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
+    if grad.dtype() != DType::F32 || fwd_out.dtype() != DType::F32 {
+        bail!("logprobs_entropy backward: the output gradient and saved output must be f32");
+    }
+    let dev = &h.device;
+    let (t, hid) = (lh.dims()[0], lh.dims()[1]);
+    let v = lw.dims()[0];
+    if lg.dims() != [t, 3] || fwd_out.dims() != [t, 3] {
+        bail!(
+            "logprobs_entropy backward: gradient {:?} / saved output {:?} are not [{t}, 3]",
+            lg.dims(),
+            fwd_out.dims()
+        );
+    }
+    let out = dev.alloc_zeros::<bf16>(t * hid + v * hid)?;
+    if t == 0 {
+        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(v * hid)));
+    }
+    let hp = addr::<bf16>(h, lh, "logprobs_entropy backward")?;
+    let wp = addr::<bf16>(w, lw, "logprobs_entropy backward")?;
+    let gp = addr::<f32>(grad, lg, "logprobs_entropy backward")?;
+    let fp = tensor_addr::<f32>(fwd_out, "logprobs_entropy backward")?;
+    let tg = upload_u32(dev, targets)?;
+    let tgp = slice_addr(&tg, dev);
+    let dh_acc = dev.alloc_zeros::<f32>(t * hid)?;
+    let dhp = slice_addr(&dh_acc, dev);
+    let dhidden = slice_addr(&out, dev);
+    let dwp = dhidden + (t * hid * 2) as u64;
+    let rows_max = chunk_tokens.max(1).min(t);
+    let vc_max = VOCAB_CHUNK.min(v);
+    let logits = unsafe { dev.alloc::<f32>(rows_max * vc_max) }?;
+    let lp = slice_addr(&logits, dev);
+    let dz = unsafe { dev.alloc::<bf16>(rows_max * vc_max) }?;
+    let dzp = slice_addr(&dz, dev);
+    // dW is accumulated over token chunks in f32 when there is more than one chunk.
+    let multi = rows_max < t;
+    let dw_acc = if multi {
+        Some(dev.alloc_zeros::<f32>(v * hid)?)
+    } else {
+        None
+    };
+    let f_dz = ops_fn(dev, "vime_lmhead_dlogits")?;
+    for row0 in (0..t).step_by(rows_max) {
+        let rows = rows_max.min(t - row0);
+        for v0 in (0..v).step_by(vc_max) {
+            let vc = vc_max.min(v - v0);
+            let wc = wp + (v0 * hid * 2) as u64;
+            let hr = hp + (row0 * hid * 2) as u64;
+            unsafe {
+                gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)?;
+            }
+            let (vc_i, v0_i, row0_i) = (vc as i32, v0 as i32, row0 as i32);
+            launch!(
+                dev,
+                f_dz,
+                cfg(rows as u32, 256),
+                [&lp, &vc_i, &v0_i, &tgp, &row0_i, &fp, &gp, &dzp]
+            );
+            unsafe {
+                // d_hidden^T [H, rows] += W_c^T [H, vc] . dz^T [vc, rows]
+                gemm(
+                    dev,
+                    false,
+                    false,
+                    hid,
+                    rows,
+                    vc,
+                    wc,
+                    hid,
+                    dzp,
+                    vc,
+                    1.0,
+                    dhp + (row0 * hid * 4) as u64,
+                    true,
+                    hid,
+                )?;
+                // d_W_c^T [H, vc] (+)= hidden_rows^T [H, rows] . dz [rows, vc]
+                match &dw_acc {
+                    Some(acc) => gemm(
+                        dev,
+                        false,
+                        true,
+                        hid,
+                        vc,
+                        rows,
+                        hr,
+                        hid,
+                        dzp,
+                        vc,
+                        1.0,
+                        slice_addr(acc, dev) + (v0 * hid * 4) as u64,
+                        true,
+                        hid,
+                    )?,
+                    None => gemm(
+                        dev,
+                        false,
+                        true,
+                        hid,
+                        vc,
+                        rows,
+                        hr,
+                        hid,
+                        dzp,
+                        vc,
+                        0.0,
+                        dwp + (v0 * hid * 2) as u64,
+                        false,
+                        hid,
+                    )?,
+                }
+            }
+        }
+    }
+    let f = ops_fn(dev, "vime_f32_to_bf16")?;
+    let n_h = (t * hid) as u64;
+    launch!(dev, f, cfg(grid_for(t * hid, 256), 256), [&dhp, &dhidden, &n_h]);
+    if let Some(acc) = &dw_acc {
+        let ap = slice_addr(acc, dev);
+        let n_w = (v * hid) as u64;
+        launch!(dev, f, cfg(grid_for(v * hid, 256), 256), [&ap, &dwp, &n_w]);
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from(t * hid + v * hid),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flash attention
+// ---------------------------------------------------------------------------------------------
+
+/// Launch shapes of flash_attn.cu (its header and `VFA_*` constants): query rows per forward CTA,
+/// key rows per backward CTA, threads and dynamic shared memory. The kernels derive their tile
+/// from the linear block index, so grid.x must be exactly `ceil(max_len / block)`.
+const FLASH_FWD_BLOCK_M: usize = 128;
+const FLASH_FWD_THREADS: u32 = 256;
+const FLASH_FWD_SMEM: u32 = 163_840;
+const FLASH_BWD_BLOCK_N: usize = 64;
+const FLASH_BWD_THREADS: u32 = 128;
+const FLASH_BWD_SMEM: u32 = 107_520;
+
+/// The forward's log-sum-exp (`[H, Tq]` f32), kept by the op for its backward.
+#[derive(Default)]
+pub(crate) struct SavedLse(Mutex<Option<CudaSlice<f32>>>);
+
+impl std::fmt::Debug for SavedLse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SavedLse")
+    }
+}
+
+struct SeqGrid {
+    n: u32,
+    max_lq: usize,
+    max_lk: usize,
+}
+
+fn seq_grid(cu_q: &[u32], cu_k: &[u32]) -> SeqGrid {
+    let lens = |cu: &[u32]| cu.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+    SeqGrid {
+        n: cu_q.len().saturating_sub(1) as u32,
+        max_lq: lens(cu_q),
+        max_lk: lens(cu_k),
+    }
+}
+
+fn set_smem(f: &CudaFunction, bytes: u32) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+    if bytes > 48 * 1024 {
+        f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .w()?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_fwd(
+    q: &CudaStorage,
+    lq: &Layout,
+    k: &CudaStorage,
+    lk: &Layout,
+    v: &CudaStorage,
+    lv: &Layout,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    scale: f64,
+    saved: &SavedLse,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16("varlen_attention", &[q.dtype(), k.dtype(), v.dtype()])?;
+    let dev = &q.device;
+    let (tq, h, _d) = (lq.dims()[0], lq.dims()[1], lq.dims()[2]);
+    let hkv = lk.dims()[1];
+    let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
+    let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
+    let g = seq_grid(cu_q, cu_k);
+    if tq > 0 && g.max_lq > 0 {
+        let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
+        let (qp, kp, vp) = (
+            addr::<bf16>(q, lq, "varlen_attention")?,
+            addr::<bf16>(k, lk, "varlen_attention")?,
+            addr::<bf16>(v, lv, "varlen_attention")?,
+        );
+        let (op, lp, cqp, ckp) = (
+            slice_addr(&out, dev),
+            slice_addr(&lse, dev),
+            slice_addr(&cq, dev),
+            slice_addr(&ck, dev),
+        );
+        let (tq_i, h_i, hkv_i, scale_f) = (tq as i32, h as i32, hkv as i32, scale as f32);
+        let f = flash_fn(dev, "vime_flash_fwd")?;
+        set_smem(&f, FLASH_FWD_SMEM)?;
+        let cfg = LaunchConfig {
+            grid_dim: (g.max_lq.div_ceil(FLASH_FWD_BLOCK_M) as u32, h as u32, g.n),
+            block_dim: (FLASH_FWD_THREADS, 1, 1),
+            shared_mem_bytes: FLASH_FWD_SMEM,
+        };
+        launch!(
+            dev,
+            f,
+            cfg,
+            [&qp, &kp, &vp, &op, &lp, &cqp, &ckp, &tq_i, &h_i, &hkv_i, &scale_f]
+        );
+    }
+    *saved.0.lock().unwrap() = Some(lse);
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
+}
+
+/// Packed `[dq ++ dk ++ dv]`, bf16.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_bwd(
+    q: &CudaStorage,
+    lq: &Layout,
+    k: &CudaStorage,
+    lk: &Layout,
+    v: &CudaStorage,
+    lv: &Layout,
+    out: &Tensor,
+    dout: &Tensor,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    scale: f64,
+    saved: &SavedLse,
+) -> Result<(CudaStorage, Shape)> {
+    check_bf16(
+        "varlen_attention backward",
+        &[q.dtype(), k.dtype(), v.dtype(), out.dtype(), dout.dtype()],
+    )?;
+    let dev = &q.device;
+    let (tq, h, d) = (lq.dims()[0], lq.dims()[1], lq.dims()[2]);
+    let (tk, hkv) = (lk.dims()[0], lk.dims()[1]);
+    let (nq, nk) = (tq * h * d, tk * hkv * d);
+    let packed = dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?;
+    let g = seq_grid(cu_q, cu_k);
+    let guard = saved.0.lock().unwrap();
+    let Some(lse) = guard.as_ref() else {
+        bail!("varlen_attention backward: no saved log-sum-exp (the forward did not run on CUDA)");
+    };
+    if tq > 0 && tk > 0 {
+        let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
+        let (qp, kp, vp) = (
+            addr::<bf16>(q, lq, "varlen_attention backward")?,
+            addr::<bf16>(k, lk, "varlen_attention backward")?,
+            addr::<bf16>(v, lv, "varlen_attention backward")?,
+        );
+        let (op, dop) = (
+            tensor_addr::<bf16>(out, "varlen_attention backward (output)")?,
+            tensor_addr::<bf16>(dout, "varlen_attention backward (output gradient)")?,
+        );
+        let delta = unsafe { dev.alloc::<f32>(h * tq) }?;
+        let dq_acc = dev.alloc_zeros::<f32>(nq)?;
+        let (deltap, dqap) = (slice_addr(&delta, dev), slice_addr(&dq_acc, dev));
+        let (lsep, cqp, ckp) = (slice_addr(lse, dev), slice_addr(&cq, dev), slice_addr(&ck, dev));
+        let dqp = slice_addr(&packed, dev);
+        let dkp = dqp + (nq * 2) as u64;
+        let dvp = dkp + (nk * 2) as u64;
+        let (tq_i, tk_i, h_i, hkv_i, scale_f) = (tq as i32, tk as i32, h as i32, hkv as i32, scale as f32);
+        let f = flash_fn(dev, "vime_flash_bwd_delta")?;
+        launch!(
+            dev,
+            f,
+            cfg((tq * h).div_ceil(8) as u32, 256),
+            [&op, &dop, &deltap, &tq_i, &h_i]
+        );
+        let f = flash_fn(dev, "vime_flash_bwd")?;
+        set_smem(&f, FLASH_BWD_SMEM)?;
+        let cfg3 = LaunchConfig {
+            grid_dim: (g.max_lk.div_ceil(FLASH_BWD_BLOCK_N).max(1) as u32, hkv as u32, g.n),
+            block_dim: (FLASH_BWD_THREADS, 1, 1),
+            shared_mem_bytes: FLASH_BWD_SMEM,
+        };
+        launch!(
+            dev,
+            f,
+            cfg3,
+            [
+                &qp, &kp, &vp, &dop, &lsep, &deltap, &dqap, &dkp, &dvp, &cqp, &ckp, &tq_i, &tk_i, &h_i, &hkv_i,
+                &scale_f
+            ]
+        );
+        let nq_i = i32_of("varlen_attention", "dq elements", nq)?;
+        let f = flash_fn(dev, "vime_flash_dq_convert")?;
+        launch!(dev, f, cfg(nq.div_ceil(1024) as u32, 256), [&dqap, &dqp, &nq_i]);
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(packed, dev.clone()),
+        Shape::from(nq + 2 * nk),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW
+// ---------------------------------------------------------------------------------------------
+
+/// The f32 constants of one AdamW step, each rounded from f64 once (as candle's `affine` does on
+/// the CPU path); mirrors `AdamConsts` in ops.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct AdamConsts {
+    pub keep: f32,
+    pub one_m_b1: f32,
+    pub b2: f32,
+    pub one_m_b2: f32,
+    pub inv_bc2: f32,
+    pub eps: f32,
+    pub neg_step: f32,
+    pub decay: i32,
+}
+
+unsafe impl DeviceRepr for AdamConsts {}
+
+/// One fused AdamW update in place: `master`, `exp_avg`, `exp_avg_sq` (f32, contiguous, one shape)
+/// from `grad` (f32 or bf16); `model` (bf16, optional) receives the rounded master.
+pub fn adamw_update(
+    master: &Tensor,
+    grad: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    model: Option<&Tensor>,
+    c: AdamConsts,
+) -> Result<()> {
+    let n = master.elem_count();
+    for (what, t) in [("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)] {
+        if t.dims() != master.dims() {
+            bail!(
+                "adamw: {what} {:?} does not match the master weight {:?}",
+                t.dims(),
+                master.dims()
+            );
+        }
+    }
+    for (what, t) in [("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)] {
+        if t.dtype() != DType::F32 {
+            bail!("adamw: {what} must be f32, got {:?}", t.dtype());
+        }
+    }
+    let dev = match master.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("adamw: the fused kernel runs on CUDA tensors"),
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let pp = tensor_addr::<f32>(master, "adamw master")?;
+    let mp = tensor_addr::<f32>(exp_avg, "adamw exp_avg")?;
+    let vp = tensor_addr::<f32>(exp_avg_sq, "adamw exp_avg_sq")?;
+    let model_p = match model {
+        Some(m) => {
+            if m.dims() != master.dims() || m.dtype() != DType::BF16 {
+                bail!(
+                    "adamw: model copy must be bf16 {:?}, got {:?} {:?}",
+                    master.dims(),
+                    m.dtype(),
+                    m.dims()
+                );
+            }
+            tensor_addr::<bf16>(m, "adamw model")?
+        }
+        None => 0u64,
+    };
+    let (gp, name) = match grad.dtype() {
+        DType::F32 => (tensor_addr::<f32>(grad, "adamw grad")?, "vime_adamw_f32g"),
+        DType::BF16 => (tensor_addr::<bf16>(grad, "adamw grad")?, "vime_adamw_bf16g"),
+        other => bail!("adamw: gradient dtype {other:?} (f32 or bf16)"),
+    };
+    let n64 = n as u64;
+    let f = ops_fn(&dev, name)?;
+    launch!(
+        dev,
+        f,
+        cfg(grid_for(n, 256).min(132 * 32), 256),
+        [&pp, &gp, &mp, &vp, &model_p, &n64, &c]
+    );
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! `vime-train bench-step`: the training step alone, timed (issue 6's 4B step, issue 7's
+//! throughput benchmark). A random-init Qwen3 of a real release's shape (weights drawn on the
+//! device, N(0, 0.02), unit norm gains), synthetic packed sequences, and per optimizer step:
+//! `--micro-batches` x (forward + backward of `-mean(logprobs)` with the recompute policy,
+//! gradients accumulated in f32), global-norm clipping at 1.0, AdamW with f32 master weights and
+//! moments. The loss is the same pass the RL step runs (log-probs and entropy from the fused LM
+//! head); only the objective is simpler.
+//!
+//! Printed: median step time over `--steps` after `--warmup`, split into forward+backward and
+//! optimizer; tokens/s; model TFLOP/s and MFU against 989 (H200 dense bf16 spec) and 790 (the
+//! measured matmul ceiling) TFLOP/s; the peak device memory in use. FLOPs per token are counted
+//! as `6 * N_matmul + 6 * L * s_attn * H * d_head` where `N_matmul` counts every matmul weight
+//! (q, k, v, o, gate, up, down per layer, and the LM head) and `s_attn` is the mean number of
+//! keys a token attends to (causal: (s + 1) / 2 per sequence of s): the attention term is
+//! `2 (QK^T and PV) x 2 flops x (s+1)/2 keys x H x d_head` forward, x3 for forward + backward.
+//! Recompute's extra forward is NOT counted (model FLOPs, as Megatron reports them).
+//!
+//! Memory: CUDA has no allocator statistics in candle, so a sampler thread reads the device's
+//! used memory (`cuMemGetInfo`: total - free, which includes the stream-ordered pool's cached
+//! blocks, i.e. torch's "reserved" rather than "allocated") every 2 ms during the timed steps.
+use crate::device::parse_device;
+use crate::optim::{clip_grad_norm, AdamW, GradAccumulator, OptimizerArgs};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+use vime_qwen3::batch::PackedBatch;
+use vime_qwen3::config::Qwen3Config;
+use vime_qwen3::model::{Qwen3, Recompute};
+use vime_qwen3::state_dict::param_specs;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, or a path to an HF config.json.
+    #[arg(long, default_value = "qwen3-4b")]
+    pub model: String,
+    /// Tokens per packed sequence.
+    #[arg(long, default_value_t = 4096)]
+    pub seq_len: usize,
+    /// Tokens per micro-batch (a multiple of --seq-len; the last sequence is cut to fit).
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens_per_gpu: usize,
+    /// Micro-batches (gradient accumulation) per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batches: usize,
+    /// Timed optimizer steps.
+    #[arg(long, default_value_t = 20)]
+    pub steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// none or full.
+    #[arg(long, default_value = "full")]
+    pub recompute: String,
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// Model (compute) dtype: bf16 or f32; master weights and moments are f32 either way.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Also write the result as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Sizes of Qwen3 releases (their config.json) that differ from the shared defaults.
+fn preset(name: &str) -> Option<(usize, usize, usize, usize, usize, bool)> {
+    // (hidden, intermediate, layers, heads, kv_heads, tied embeddings)
+    match name {
+        "qwen3-0.6b" => Some((1024, 3072, 28, 16, 8, true)),
+        "qwen3-1.7b" => Some((2048, 6144, 28, 16, 8, true)),
+        "qwen3-4b" => Some((2560, 9728, 36, 32, 8, true)),
+        "qwen3-8b" => Some((4096, 12288, 36, 32, 8, false)),
+        _ => None,
+    }
+}
+
+fn config_of(model: &str) -> Result<Qwen3Config> {
+    if let Some((h, i, l, a, kv, tied)) = preset(model) {
+        let json = serde_json::json!({
+            "model_type": "qwen3", "vocab_size": 151936, "hidden_size": h, "intermediate_size": i,
+            "num_hidden_layers": l, "num_attention_heads": a, "num_key_value_heads": kv, "head_dim": 128,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+            "tie_word_embeddings": tied, "attention_bias": false, "hidden_act": "silu",
+            "use_sliding_window": false, "max_window_layers": l, "torch_dtype": "bfloat16"
+        });
+        return Qwen3Config::from_json_str(&json.to_string());
+    }
+    let path = PathBuf::from(model);
+    if path.is_file() {
+        return Qwen3Config::from_file(&path);
+    }
+    bail!(
+        "--model {model:?}: neither a known preset (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b) nor a config.json file"
+    )
+}
+
+/// Model FLOPs per token (see the module docs) for sequences of `seq_len`.
+pub fn flops_per_token(cfg: &Qwen3Config, seq_len: usize) -> f64 {
+    let (h, i, l) = (
+        cfg.hidden_size as f64,
+        cfg.intermediate_size as f64,
+        cfg.num_hidden_layers as f64,
+    );
+    let (qh, kvh, d) = (
+        cfg.num_attention_heads as f64,
+        cfg.num_key_value_heads as f64,
+        cfg.head_dim as f64,
+    );
+    let per_layer = h * qh * d + 2.0 * h * kvh * d + qh * d * h + 3.0 * h * i;
+    let matmul = l * per_layer + h * cfg.vocab_size as f64;
+    let keys = (seq_len as f64 + 1.0) / 2.0;
+    6.0 * matmul + 6.0 * l * keys * qh * d
+}
+
+/// A peak-memory sampler for a CUDA device (cuMemGetInfo every 2 ms while alive).
+struct MemSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: Option<std::thread::JoinHandle<u64>>,
+}
+
+impl MemSampler {
+    fn start(device: &Device) -> Result<Option<Self>> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            use candle_core::cuda_backend::cudarc::driver::result::mem_get_info;
+            use std::sync::atomic::{AtomicBool, Ordering};
+            let ctx = d.cuda_stream().context().clone();
+            let stop = std::sync::Arc::new(AtomicBool::new(false));
+            let s = stop.clone();
+            let handle = std::thread::spawn(move || {
+                let mut peak = 0u64;
+                if ctx.bind_to_thread().is_err() {
+                    return 0;
+                }
+                while !s.load(Ordering::Relaxed) {
+                    if let Ok((free, total)) = mem_get_info() {
+                        peak = peak.max((total - free) as u64);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                peak
+            });
+            return Ok(Some(Self {
+                stop,
+                handle: Some(handle),
+            }));
+        }
+        let _ = device;
+        Ok(None)
+    }
+
+    fn finish(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle.take().map(|h| h.join().unwrap_or(0)).unwrap_or(0)
+    }
+}
+
+fn random_model(cfg: Qwen3Config, dtype: DType, device: &Device) -> Result<Qwen3> {
+    if device.is_cuda() {
+        device.set_seed(1234)?;
+    }
+    let mut tensors = BTreeMap::new();
+    for spec in param_specs(&cfg) {
+        let t = if spec.shape.len() == 1 {
+            Tensor::ones(spec.shape.as_slice(), dtype, device)?
+        } else {
+            Tensor::randn(0f32, 0.02, spec.shape.as_slice(), device)?.to_dtype(dtype)?
+        };
+        tensors.insert(spec.name, t);
+    }
+    Qwen3::from_tensors(cfg, tensors)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
+    let device = parse_device(&args.device)?;
+    let dtype = match args.dtype.as_str() {
+        "bf16" => DType::BF16,
+        "f32" => DType::F32,
+        other => bail!("--dtype {other:?}: bf16 or f32"),
+    };
+    let recompute: Recompute = args.recompute.parse()?;
+    if args.seq_len == 0 || args.max_tokens_per_gpu < args.seq_len || args.steps == 0 || args.micro_batches == 0 {
+        bail!("need --seq-len >= 1, --max-tokens-per-gpu >= --seq-len, --steps >= 1, --micro-batches >= 1");
+    }
+    let cfg = config_of(&args.model)?;
+    let fpt = flops_per_token(&cfg, args.seq_len);
+    let t0 = Instant::now();
+    let model = random_model(cfg.clone(), dtype, &device).context("building the random model")?;
+    let n_params: usize = model.named_parameters().iter().map(|(_, v)| v.elem_count()).sum();
+    let opt_args = OptimizerArgs {
+        lr: 1e-6,
+        ..OptimizerArgs::default()
+    };
+    let mut opt = AdamW::new(model.named_parameters(), &opt_args)?;
+    device.synchronize()?;
+    eprintln!(
+        "bench-step: {} ({:.3}B params), {dtype:?}, recompute {:?}, {} x {} tokens per step, built in {:.1}s",
+        args.model,
+        n_params as f64 / 1e9,
+        recompute,
+        args.micro_batches,
+        args.max_tokens_per_gpu,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut rng = vime_kernels::testing::Rng::new(99);
+    let mut batches = Vec::new();
+    for _ in 0..args.micro_batches {
+        let mut seqs: Vec<Vec<u32>> = Vec::new();
+        let mut left = args.max_tokens_per_gpu;
+        while left > 0 {
+            let len = args.seq_len.min(left);
+            seqs.push(
+                (0..len)
+                    .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
+                    .collect(),
+            );
+            left -= len;
+        }
+        batches.push(PackedBatch::from_sequences(&seqs)?);
+    }
+    let tokens_per_step = (args.micro_batches * args.max_tokens_per_gpu) as f64;
+    let (mut fb, mut optim, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    let mut sampler = None;
+    let mut last_loss = 0.0;
+    for step in 0..args.warmup + args.steps {
+        if step == args.warmup {
+            sampler = MemSampler::start(&device)?;
+        }
+        let s0 = Instant::now();
+        let mut acc = GradAccumulator::new();
+        for b in &batches {
+            let (loss, grads) = model.forward_backward(b, recompute, |o| {
+                let n = o.logprobs.elem_count().max(1) as f64;
+                Ok(o.logprobs.sum_all()?.affine(-1.0 / n, 0.0)?)
+            })?;
+            last_loss = loss;
+            acc.add(&grads.params)?;
+        }
+        device.synchronize()?;
+        let s1 = Instant::now();
+        let mut grads = acc.take();
+        clip_grad_norm(&mut grads, 1.0)?;
+        opt.step(&grads, opt_args.lr)?;
+        device.synchronize()?;
+        let s2 = Instant::now();
+        if step >= args.warmup {
+            fb.push((s1 - s0).as_secs_f64());
+            optim.push((s2 - s1).as_secs_f64());
+            total.push((s2 - s0).as_secs_f64());
+        }
+    }
+    let peak = sampler.map(MemSampler::finish).unwrap_or(0);
+    let (fb, optim, step) = (median(&mut fb), median(&mut optim), median(&mut total));
+    let tps = tokens_per_step / step;
+    let tflops = tps * fpt / 1e12;
+    let out = serde_json::json!({
+        "system": "vime",
+        "model": args.model,
+        "params": n_params,
+        "dtype": args.dtype,
+        "recompute": args.recompute,
+        "seq_len": args.seq_len,
+        "tokens_per_micro_batch": args.max_tokens_per_gpu,
+        "micro_batches": args.micro_batches,
+        "steps": args.steps,
+        "step_s": step,
+        "fwd_bwd_s": fb,
+        "optimizer_s": optim,
+        "tokens_per_s": tps,
+        "flops_per_token": fpt,
+        "model_tflops": tflops,
+        "mfu_989": tflops / 989.0,
+        "mfu_790": tflops / 790.0,
+        "peak_mem_gib": peak as f64 / (1u64 << 30) as f64,
+        "final_loss": last_loss,
+    });
+    println!(
+        "RESULT vime {} seq {} tokens/step {} recompute {}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
+        args.model,
+        args.seq_len,
+        tokens_per_step,
+        args.recompute,
+        step,
+        fb,
+        optim,
+        tps,
+        tflops,
+        100.0 * tflops / 989.0,
+        100.0 * tflops / 790.0,
+        peak as f64 / (1u64 << 30) as f64
+    );
+    if let Some(p) = &args.json {
+        std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(out)
+}
