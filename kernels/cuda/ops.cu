@@ -350,3 +350,44 @@ extern "C" __global__ void vime_adamw_bf16g(float* p, const bf16* g, float* m, f
                                             AdamConsts c) {
     adamw_body<bf16>(p, g, m, v, model, n, c);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Sum of squares for the global gradient norm, deterministic: vime_sumsq_* writes one f64 partial
+// per block (grid-stride over the tensor, a fixed grid), vime_sum_partials adds a tensor's
+// partials in block order (one warp, then lane order). Squares and sums in f64, as the CPU path.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double r = 0.0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < nwarps; ++w) r += scratch[w];
+    return r;  // valid in thread 0
+}
+
+template <typename T>
+__device__ __forceinline__ void sumsq_body(const T* __restrict__ x, size_t n, double* __restrict__ partial) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const double v = (double)load_g<T>(x, i);
+        s += v * v;
+    }
+    s = block_sum_f64(s, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+extern "C" __global__ void vime_sumsq_f32(const float* x, size_t n, double* partial) { sumsq_body<float>(x, n, partial); }
+extern "C" __global__ void vime_sumsq_bf16(const bf16* x, size_t n, double* partial) { sumsq_body<bf16>(x, n, partial); }
+
+// out[0] = sum of partial[0..np] in a fixed order (launch with one warp).
+extern "C" __global__ void vime_sum_partials(const double* __restrict__ partial, int np, double* __restrict__ out) {
+    double s = 0.0;
+    for (int i = threadIdx.x; i < np; i += 32) s += partial[i];
+    double total = 0.0;
+    for (int l = 0; l < 32; ++l) total += __shfl_sync(FULL_MASK, s, l);
+    if (threadIdx.x == 0) out[0] = total;
+}

@@ -863,3 +863,48 @@ pub fn adamw_update(
     );
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// Sum of squares (global gradient norm)
+// ---------------------------------------------------------------------------------------------
+
+/// Blocks of the sum-of-squares kernels: fixed, so the summation order (and the bits) never
+/// depend on anything but the tensor sizes.
+const SUMSQ_BLOCKS: usize = 264;
+
+/// `sum(x^2)` in f64 of each tensor (f32 or bf16, contiguous, all on one CUDA device), with a
+/// single device-to-host copy for all of them: candle's `sum_all` reduces a whole tensor in one
+/// block, which made the gradient norm of a 4B model take seconds.
+pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
+    let Some(first) = ts.first() else {
+        return Ok(Vec::new());
+    };
+    let dev = match first.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("sum_squares: tensors must be on a CUDA device"),
+    };
+    let partial = unsafe { dev.alloc::<f64>(SUMSQ_BLOCKS * ts.len()) }?;
+    let out = dev.alloc_zeros::<f64>(ts.len())?;
+    let (pbase, obase) = (slice_addr(&partial, &dev), slice_addr(&out, &dev));
+    let f_sum = ops_fn(&dev, "vime_sum_partials")?;
+    for (i, t) in ts.iter().enumerate() {
+        let n = t.elem_count();
+        if n == 0 {
+            continue;
+        }
+        let (xp, name) = match t.dtype() {
+            DType::F32 => (tensor_addr::<f32>(t, "sum_squares")?, "vime_sumsq_f32"),
+            DType::BF16 => (tensor_addr::<bf16>(t, "sum_squares")?, "vime_sumsq_bf16"),
+            other => bail!("sum_squares: dtype {other:?} (f32 or bf16)"),
+        };
+        let blocks = SUMSQ_BLOCKS.min(n.div_ceil(256));
+        let pp = pbase + (i * SUMSQ_BLOCKS * 8) as u64;
+        let op = obase + (i * 8) as u64;
+        let n64 = n as u64;
+        let f = ops_fn(&dev, name)?;
+        launch!(dev, f, cfg(blocks as u32, 256), [&xp, &n64, &pp]);
+        let np = blocks as i32;
+        launch!(dev, f_sum, cfg(1, 32), [&pp, &np, &op]);
+    }
+    dev.cuda_stream().clone_dtoh(&out).w()
+}

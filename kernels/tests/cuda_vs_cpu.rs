@@ -187,11 +187,12 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     )?;
 
     check_adamw(&gpu, &mut rng, &mut failures)?;
+    check_sum_squares(&gpu, &mut rng, &mut failures)?;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
         if failures.is_empty() { "PASS" } else { "FAIL" },
-        11
+        12
     );
     assert!(failures.is_empty(), "{failures:?}");
     Ok(())
@@ -290,7 +291,8 @@ fn median_ms(gpu: &Device, iters: usize, f: &mut dyn FnMut() -> Result<()>) -> R
     Ok(ts[iters / 2])
 }
 
-/// Forward and forward+backward (objective `sum(y * w)` with fixed `w`) of `op`.
+/// Forward and forward+backward (objective `sum(y * w)` with fixed `w`, whose own backward is a
+/// few elementwise passes, on both sides of the comparison) of `op`.
 fn time_op(name: &str, shape: &str, gpu: &Device, op: Op, inputs: &[Tensor]) -> Result<()> {
     let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t)).collect::<Result<_>>()?;
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
@@ -299,7 +301,14 @@ fn time_op(name: &str, shape: &str, gpu: &Device, op: Op, inputs: &[Tensor]) -> 
     let fwd = median_ms(gpu, 20, &mut || op(&ts).map(|_| ()))?;
     let both = median_ms(gpu, 20, &mut || {
         let y = op(&ts)?;
-        let _g = (y.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+        // Reduce the last dim first: candle's sum_all reduces a whole tensor in one CUDA block
+        // (milliseconds at these sizes), which would swamp the kernels being timed.
+        let d = *y.dims().last().unwrap_or(&1);
+        let _g = (y.to_dtype(DType::F32)? * &w)?
+            .reshape(((), d))?
+            .sum(1)?
+            .sum_all()?
+            .backward()?;
         Ok(())
     })?;
     println!("TIME {name} {shape} fwd_ms {fwd:.4} fwdbwd_ms {both:.4}");
@@ -401,5 +410,28 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         vime_kernels::cuda::adamw_update(&pbuf, &gbuf, &m, &v, Some(&model), c)
     })?;
     println!("TIME adamw 268435456 step_ms {ms:.4}");
+    Ok(())
+}
+
+/// The fused sum of squares (global gradient norm) against f64 on the host.
+fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let a = rng.randn(&[3_000_001], 1e-3, DType::F32, &Device::Cpu)?;
+    let b = rng.randn(&[2560, 129], 1.0, DType::BF16, &Device::Cpu)?;
+    let got = vime_kernels::cuda::sum_squares(&[&a.to_device(gpu)?, &b.to_device(gpu)?])?;
+    let mut worst = 0f64;
+    for (t, g) in [&a, &b].iter().zip(&got) {
+        let want: f64 = t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar()?;
+        worst = worst.max((g - want).abs() / want);
+    }
+    let ok = worst <= 1e-12;
+    println!(
+        "{:<26} {:<52} rel err vs host f64 {worst:.1e}  {}",
+        "sum_squares",
+        "[3000001] f32, [2560, 129] bf16",
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("sum_squares: rel err {worst:e}"));
+    }
     Ok(())
 }

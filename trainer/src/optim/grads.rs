@@ -37,6 +37,31 @@ impl std::fmt::Display for NonFiniteGradNorm {
 impl std::error::Error for NonFiniteGradNorm {}
 
 /// Sum of squares of every element, in f64.
+/// On CUDA (f32/bf16 gradients, `cuda` feature): every tensor's sum of squares from the fused
+/// kernel, with one host synchronisation for all of them (needed anyway: the clip coefficient and
+/// the logged norm are host values). `None` elsewhere.
+fn fused_sum_squares(grads: &BTreeMap<String, Tensor>) -> Result<Option<Vec<f64>>> {
+    #[cfg(feature = "cuda")]
+    {
+        let ok = !grads.is_empty()
+            && grads
+                .values()
+                .all(|g| g.device().is_cuda() && matches!(g.dtype(), DType::F32 | DType::BF16));
+        if ok {
+            let ts: Vec<Tensor> = grads
+                .values()
+                .map(|g| g.contiguous())
+                .collect::<candle_core::Result<_>>()?;
+            let refs: Vec<&Tensor> = ts.iter().collect();
+            return Ok(Some(
+                vime_kernels::cuda::sum_squares(&refs).context("gradient norm (fused CUDA)")?,
+            ));
+        }
+    }
+    let _ = grads;
+    Ok(None)
+}
+
 fn sum_sq(g: &Tensor) -> Result<f64> {
     Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?)
 }
@@ -46,8 +71,12 @@ fn sum_sq(g: &Tensor) -> Result<f64> {
 pub fn global_grad_norm(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
     let mut total = 0f64;
     let mut bad = Vec::new();
-    for (name, g) in grads {
-        let s = sum_sq(g).with_context(|| format!("gradient norm of {name} {:?}", g.dims()))?;
+    let fused = fused_sum_squares(grads)?;
+    for (i, (name, g)) in grads.iter().enumerate() {
+        let s = match &fused {
+            Some(v) => v[i],
+            None => sum_sq(g).with_context(|| format!("gradient norm of {name} {:?}", g.dims()))?,
+        };
         if !s.is_finite() {
             bad.push(name.clone());
         }
