@@ -311,7 +311,20 @@ fn time_op(name: &str, shape: &str, gpu: &Device, op: Op, inputs: &[Tensor]) -> 
             .backward()?;
         Ok(())
     })?;
-    println!("TIME {name} {shape} fwd_ms {fwd:.4} fwdbwd_ms {both:.4}");
+    // The objective's own cost: the same objective and backward through a trivial op (x * 1)
+    // with an output of the same shape and dtype; `fwdbwd - objective` is the op's own time.
+    let z = Var::from_tensor(&y.zeros_like()?)?;
+    let base = median_ms(gpu, 20, &mut || {
+        let y = z.as_tensor().affine(1.0, 0.0)?;
+        let d = *y.dims().last().unwrap_or(&1);
+        let _g = (y.to_dtype(DType::F32)? * &w)?
+            .reshape(((), d))?
+            .sum(1)?
+            .sum_all()?
+            .backward()?;
+        Ok(())
+    })?;
+    println!("TIME {name} {shape} fwd_ms {fwd:.4} fwdbwd_ms {both:.4} objective_ms {base:.4}");
     Ok(())
 }
 
