@@ -121,6 +121,90 @@ extern "C" __global__ void vime_rmsnorm_bwd(const bf16* __restrict__ x, const bf
     }
 }
 
+// Narrow rows (d <= 32 * RMSW_MAXC, e.g. the per-head q/k norms with d = 128): one warp per row,
+// 8 rows per block, rows strided over the grid; no block-wide barriers per row. The backward's dw
+// partials are reduced over the block's warps in shared memory (fixed order) and written per
+// block, as in the wide kernels.
+#define RMSW_MAXC 8
+#define RMSW_WARPS 8
+
+extern "C" __global__ void vime_rmsnorm_fwd_warp(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                 bf16* __restrict__ y, int rows, int d, float eps) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
+        const bf16* xr = x + (size_t)r * d;
+        float xv[RMSW_MAXC];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMSW_MAXC; ++i) {
+            int c = lane + 32 * i;
+            xv[i] = c < d ? __bfloat162float(xr[c]) : 0.f;
+            ss += xv[i] * xv[i];
+        }
+        ss = warp_sum(ss);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        bf16* yr = y + (size_t)r * d;
+#pragma unroll
+        for (int i = 0; i < RMSW_MAXC; ++i) {
+            int c = lane + 32 * i;
+            if (c < d) yr[c] = __float2bfloat16(xv[i] * rstd * __bfloat162float(w[c]));
+        }
+    }
+}
+
+extern "C" __global__ void vime_rmsnorm_bwd_warp(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                 const bf16* __restrict__ g, bf16* __restrict__ dx,
+                                                 float* __restrict__ dw_part, int rows, int d, float eps) {
+    __shared__ float red[RMSW_WARPS][32 * RMSW_MAXC];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float dwv[RMSW_MAXC], wv[RMSW_MAXC];
+#pragma unroll
+    for (int i = 0; i < RMSW_MAXC; ++i) {
+        int c = lane + 32 * i;
+        dwv[i] = 0.f;
+        wv[i] = c < d ? __bfloat162float(w[c]) : 0.f;
+    }
+    for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
+        const bf16* xr = x + (size_t)r * d;
+        const bf16* gr = g + (size_t)r * d;
+        float xv[RMSW_MAXC], gv[RMSW_MAXC];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMSW_MAXC; ++i) {
+            int c = lane + 32 * i;
+            xv[i] = c < d ? __bfloat162float(xr[c]) : 0.f;
+            gv[i] = c < d ? __bfloat162float(gr[c]) : 0.f;
+            ss += xv[i] * xv[i];
+        }
+        ss = warp_sum(ss);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMSW_MAXC; ++i) {
+            float xhat = xv[i] * rstd;
+            dwv[i] += gv[i] * xhat;
+            dot += gv[i] * wv[i] * xhat;
+        }
+        dot = warp_sum(dot);
+        const float mean = dot / (float)d;
+        bf16* dxr = dx + (size_t)r * d;
+#pragma unroll
+        for (int i = 0; i < RMSW_MAXC; ++i) {
+            int c = lane + 32 * i;
+            if (c < d) dxr[c] = __float2bfloat16(rstd * (gv[i] * wv[i] - xv[i] * rstd * mean));
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RMSW_MAXC; ++i) red[warp][lane + 32 * i] = dwv[i];
+    __syncthreads();
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < RMSW_WARPS; ++k) s += red[k][c];
+        dw_part[(size_t)blockIdx.x * d + c] = s;
+    }
+}
+
 // out[c] = bf16(sum_b part[b * d + c]) for c < d; one thread per column, blocks in a fixed order
 // (deterministic).
 extern "C" __global__ void vime_colsum_bf16(const float* __restrict__ part, bf16* __restrict__ out,

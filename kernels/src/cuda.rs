@@ -31,8 +31,11 @@ const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx")
 
 /// Vocabulary columns per logits block of the LM head.
 const VOCAB_CHUNK: usize = 16384;
-/// RMSNorm keeps `RMS_MAXC` columns per thread in registers (see ops.cu).
+/// RMSNorm keeps `RMS_MAXC` columns per thread in registers (see ops.cu); rows of at most
+/// `RMSW_MAX_D` take the warp-per-row kernels (`RMSW_WARPS` rows per block).
 const RMS_MAXC: usize = 16;
+const RMSW_MAX_D: usize = 256;
+const RMSW_WARPS: usize = 8;
 
 /// Whether the fused CUDA kernels take tensors of this device and dtype.
 pub(crate) fn fused(device: &candle_core::Device, dtype: DType) -> bool {
@@ -174,13 +177,16 @@ pub(crate) fn rms_norm_fwd(
             i32_of("rms_norm", "d", d)?,
             eps as f32,
         );
-        let f = ops_fn(dev, "vime_rmsnorm_fwd")?;
-        launch!(
-            dev,
-            f,
-            cfg(rows.min(132 * 16) as u32, rms_threads(d)?),
-            [&xp, &wp, &yp, &rows_i, &d_i, &eps_f]
-        );
+        if d <= RMSW_MAX_D {
+            let f = ops_fn(dev, "vime_rmsnorm_fwd_warp")?;
+            let blocks = rows.div_ceil(RMSW_WARPS).min(132 * 16) as u32;
+            let c = cfg(blocks, 32 * RMSW_WARPS as u32);
+            launch!(dev, f, c, [&xp, &wp, &yp, &rows_i, &d_i, &eps_f]);
+        } else {
+            let f = ops_fn(dev, "vime_rmsnorm_fwd")?;
+            let c = cfg(rows.min(132 * 16) as u32, rms_threads(d)?);
+            launch!(dev, f, c, [&xp, &wp, &yp, &rows_i, &d_i, &eps_f]);
+        }
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
 }
@@ -202,7 +208,12 @@ pub(crate) fn rms_norm_bwd(
     let rows = n.checked_div(d).unwrap_or(0);
     let out = dev.alloc_zeros::<bf16>(n + d)?;
     if rows > 0 {
-        let blocks = rows.min(132 * 4);
+        let narrow = d <= RMSW_MAX_D;
+        let blocks = if narrow {
+            rows.div_ceil(RMSW_WARPS).min(132 * 4)
+        } else {
+            rows.min(132 * 4)
+        };
         let part = unsafe { dev.alloc::<f32>(blocks * d) }?;
         let (xp, wp, gp) = (
             addr::<bf16>(x, lx, "rms_norm backward")?,
@@ -217,13 +228,14 @@ pub(crate) fn rms_norm_bwd(
             i32_of("rms_norm", "d", d)?,
             eps as f32,
         );
-        let f = ops_fn(dev, "vime_rmsnorm_bwd")?;
-        launch!(
-            dev,
-            f,
-            cfg(blocks as u32, rms_threads(d)?),
-            [&xp, &wp, &gp, &dxp, &pp, &rows_i, &d_i, &eps_f]
-        );
+        let (name, threads) = if narrow {
+            ("vime_rmsnorm_bwd_warp", 32 * RMSW_WARPS as u32)
+        } else {
+            ("vime_rmsnorm_bwd", rms_threads(d)?)
+        };
+        let f = ops_fn(dev, name)?;
+        let c = cfg(blocks as u32, threads);
+        launch!(dev, f, c, [&xp, &wp, &gp, &dxp, &pp, &rows_i, &d_i, &eps_f]);
         let nparts = blocks as i32;
         let f = ops_fn(dev, "vime_colsum_bf16")?;
         launch!(dev, f, cfg(grid_for(d, 256), 256), [&pp, &dwp, &nparts, &d_i]);

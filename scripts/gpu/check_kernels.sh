@@ -6,7 +6,8 @@
 #
 #   scripts/gpu/check_kernels.sh [OUT_DIR]
 #
-# Needs gpu-carry/{device-env.sh, cuda_vs_cpu.xz, COMMIT}: the test binary of
+# Needs gpu-carry/{device-env.sh, cuda_vs_cpu.xz, COMMIT} (and optionally flash_harness.xz, the
+# standalone attention harness, whose timings are then appended): the test binary of
 # kernels/tests/cuda_vs_cpu.rs, built here with
 #   cargo test --release -p vime-kernels --features cuda --test cuda_vs_cpu --no-run
 # and the machine's python3 with torch. Ends with the verdict line of the correctness check.
@@ -28,5 +29,12 @@ check=${PIPESTATUS[0]}
 echo "--- timings (median of 20 after 2 warm-ups; fwd, and fwd + bwd of sum(y * w)) ---" | tee -a "$LOG"
 "$BIN" timings --nocapture --test-threads 1 2>&1 | tee "$OUT/vime_times.txt" | tee -a "$LOG"
 PYTHONUNBUFFERED=1 python3 scripts/gpu/torch_kernel_times.py "$OUT/vime_times.txt" 2>&1 | tee -a "$LOG"
+if [ -f gpu-carry/flash_harness.xz ]; then
+  # The attention kernels alone (kernels/cuda/harness/flash_harness.cu, built here with
+  # nvcc -O3 -std=c++17 -arch=sm_90 -lineinfo kernels/cuda/harness/flash_harness.cu).
+  echo "--- flash harness ---" | tee -a "$LOG"
+  xz -dc gpu-carry/flash_harness.xz > /tmp/flash_harness && chmod +x /tmp/flash_harness
+  /tmp/flash_harness 2>&1 | tee -a "$LOG"
+fi
 grep "CHECK_KERNELS VERDICT" "$LOG" | tail -1
 exit "$check"
