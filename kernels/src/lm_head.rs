@@ -55,9 +55,8 @@ pub fn logprobs_entropy(
     targets: &Arc<[u32]>,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
-    if !hidden.device().is_cpu()
-        && !(crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype())
-    {
+    let fused = crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype();
+    if !(hidden.device().is_cpu() || fused) {
         return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
     }
     validate(hidden, lm_head, targets, chunk_tokens)?;

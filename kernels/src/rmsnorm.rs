@@ -17,7 +17,8 @@ const ROWS_PER_TASK: usize = 64;
 
 /// `y = weight * x / sqrt(mean(x^2, -1) + eps)` over the last dimension of `x`, with backward.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if !x.device().is_cpu() && !(crate::fused_cuda(x.device(), x.dtype()) && weight.dtype() == x.dtype()) {
+    let fused = crate::fused_cuda(x.device(), x.dtype()) && weight.dtype() == x.dtype();
+    if !(x.device().is_cpu() || fused) {
         return crate::composed::rms_norm(x, weight, eps);
     }
     let d = x.dim(candle_core::D::Minus1)?;

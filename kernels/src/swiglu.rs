@@ -12,7 +12,8 @@ const CHUNK: usize = 1 << 14;
 
 /// `silu(gate) * up` for two tensors of one shape, with backward.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if !gate.device().is_cpu() && !(crate::fused_cuda(gate.device(), gate.dtype()) && up.dtype() == gate.dtype()) {
+    let fused = crate::fused_cuda(gate.device(), gate.dtype()) && up.dtype() == gate.dtype();
+    if !(gate.device().is_cpu() || fused) {
         return crate::composed::swiglu(gate, up);
     }
     if gate.dims() != up.dims() {

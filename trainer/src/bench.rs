@@ -300,3 +300,103 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_per_token_of_qwen3_4b_counts_every_matmul_and_causal_attention() {
+        let cfg = config_of("qwen3-4b").unwrap();
+        // Per layer: q 2560x4096, k and v 2560x1024 each, o 4096x2560, gate/up/down 2560x9728.
+        let per_layer = 2560.0 * 4096.0 + 2.0 * 2560.0 * 1024.0 + 4096.0 * 2560.0 + 3.0 * 2560.0 * 9728.0;
+        let matmul = 36.0 * per_layer + 2560.0 * 151936.0; // + the (tied) LM head
+                                                           // s = 4096: each token sees 2048.5 keys on average; QK^T and PV, 2 flops per MAC, x3.
+        let attn = 6.0 * 36.0 * 2048.5 * 32.0 * 128.0;
+        let want = 6.0 * matmul + attn;
+        let got = flops_per_token(&cfg, 4096);
+        assert!((got - want).abs() / want < 1e-12, "{got} vs {want}");
+        // Qwen3-4B: 3.63 B matmul weights in the layers plus the 0.39 B LM head (tied to the
+        // embedding, which is a lookup and not counted again): 4.02 B.
+        assert!((matmul / 1e9 - 4.022).abs() < 0.001, "{}", matmul / 1e9);
+    }
+
+    #[test]
+    fn a_tiny_step_runs_on_the_cpu_and_reports_sane_numbers() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = serde_json::json!({
+            "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+            "tie_word_embeddings": true, "attention_bias": false, "hidden_act": "silu",
+            "use_sliding_window": false, "max_window_layers": 2
+        });
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, cfg.to_string()).unwrap();
+        let json = dir.path().join("out.json");
+        let args = BenchArgs {
+            model: path.display().to_string(),
+            seq_len: 16,
+            max_tokens_per_gpu: 40,
+            micro_batches: 2,
+            steps: 2,
+            warmup: 1,
+            recompute: "full".into(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            json: Some(json.clone()),
+        };
+        let out = run(&args).unwrap();
+        // embedding + 2 x (q, k, v, o, gate/up/down, two norms of 32, q/k norms of 8) + final norm
+        let per_layer = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64 + 2 * 32 + 2 * 8;
+        assert_eq!(out["params"], serde_json::json!(97 * 32 + 2 * per_layer + 32));
+        let tps = out["tokens_per_s"].as_f64().unwrap();
+        let step = out["step_s"].as_f64().unwrap();
+        assert!(
+            tps > 0.0 && (tps * step - 80.0).abs() < 1e-6,
+            "80 tokens per step: {tps} x {step}"
+        );
+        // -mean(logprob) of a random model over 97 ids is near ln(97) = 4.57.
+        let loss = out["final_loss"].as_f64().unwrap();
+        assert!((loss - 97f64.ln()).abs() < 0.5, "loss {loss}");
+        let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+        assert_eq!(back, out);
+    }
+
+    #[test]
+    fn bad_flags_are_clear_errors() {
+        let base = BenchArgs {
+            model: "qwen3-4b".into(),
+            seq_len: 4096,
+            max_tokens_per_gpu: 4096,
+            micro_batches: 1,
+            steps: 1,
+            warmup: 0,
+            recompute: "full".into(),
+            device: "cpu".into(),
+            dtype: "bf16".into(),
+            json: None,
+        };
+        let err = |a: BenchArgs| format!("{:#}", run(&a).unwrap_err());
+        let e = err(BenchArgs {
+            model: "qwen9-1t".into(),
+            ..base.clone()
+        });
+        assert!(e.contains("qwen9-1t") && e.contains("qwen3-4b"), "{e}");
+        let e = err(BenchArgs {
+            max_tokens_per_gpu: 100,
+            ..base.clone()
+        });
+        assert!(e.contains("--max-tokens-per-gpu"), "{e}");
+        let e = err(BenchArgs {
+            recompute: "some".into(),
+            ..base.clone()
+        });
+        assert!(e.contains("recompute"), "{e}");
+        let e = err(BenchArgs {
+            dtype: "int8".into(),
+            ..base
+        });
+        assert!(e.contains("--dtype"), "{e}");
+    }
+}
