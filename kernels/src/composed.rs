@@ -3,8 +3,9 @@
 //! in candle's autograd and run on every backend (matmul, broadcast arithmetic, exp/log, reductions,
 //! narrow/cat, index_select, gather, where_cond, to_dtype, silu).
 //!
-//! Two uses: it is what the public ops run on a non-CPU device until the fused CUDA kernels land
-//! (issue 6), and it is the reference the fused kernels are tested against (`tests/composed.rs`).
+//! Two uses: it is what the public ops run on a non-CPU device where no fused kernel applies (any
+//! dtype but bf16 on CUDA, attention with head_dim other than 128; see `crate::fused_cuda`), and it
+//! is a reference the fused kernels are tested against (`tests/composed.rs`).
 //! candle's own `rms_norm`, `rope`, `softmax_last_dim` and flash-attn record no backward, so none
 //! of them appears here.
 //!
