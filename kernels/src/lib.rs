@@ -27,6 +27,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
 pub mod testing;
+pub mod vjp;
 
 pub use attention::varlen_attention;
 pub use lm_head::{logprobs_entropy, IGNORE_TARGET};
@@ -34,6 +35,7 @@ pub use real::Real;
 pub use rmsnorm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;
+pub use vjp::vjp_seed;
 
 /// Whether the public ops run the fused CUDA kernels for tensors of this device and dtype (bf16 on
 /// a CUDA device, in a build with the `cuda` feature); other non-CPU cases run [`composed`].

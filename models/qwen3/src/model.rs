@@ -10,8 +10,9 @@
 //!   index-select) or a `vime-kernels` CustomOp with its own backward. None of candle's no-backward
 //!   fast paths is used.
 //! - The backward walks the layers in reverse with the VJP trick: for layer `l` with input leaf
-//!   `x_l` and output `y_l`, `(y_l * g.detach()).sum_all().backward()` gives the parameter
-//!   gradients of the layer and `g_{l-1} = d/dx_l`. Under `Recompute::None` every layer's graph is
+//!   `x_l` and output `y_l`, `vjp_seed(y_l, g).backward()` (the gradients of
+//!   `(y_l * g).sum_all()` without computing that sum, see `vime_kernels::vjp`) gives the
+//!   parameter gradients of the layer and `g_{l-1} = d/dx_l`. Under `Recompute::None` every layer's graph is
 //!   kept from the forward; under `Recompute::Full` only the layer inputs are kept and each layer is
 //!   re-run (same ops, same inputs, so the same bits) just before its backward.
 //! - Log-probs and entropy come from the fused LM-head op, chunked over tokens: `[T, vocab]`
@@ -24,7 +25,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
-use vime_kernels::{logprobs_entropy, rms_norm, rope, swiglu, varlen_attention};
+use vime_kernels::{logprobs_entropy, rms_norm, rope, swiglu, varlen_attention, vjp_seed};
 
 /// Which activations a layer keeps between its forward and its backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -410,7 +411,7 @@ impl Qwen3 {
                     (leaf, y)
                 }
             };
-            let mut grads = (y * g.detach())?.sum_all()?.backward()?;
+            let mut grads = vjp_seed(&y, &g)?.backward()?;
             g = take_grad(&mut grads, leaf.as_tensor(), "a layer input")?;
             let vars: Vec<&Var> = [
                 Some(&l.input_norm),
@@ -437,7 +438,7 @@ impl Qwen3 {
 
         // Embedding.
         let e = self.embed_tokens(batch, true)?;
-        let mut grads = (e * g.detach())?.sum_all()?.backward()?;
+        let mut grads = vjp_seed(&e, &g)?.backward()?;
         let mut ge = take_grad(&mut grads, self.embed.as_tensor(), "model.embed_tokens.weight")?;
         if let Some(t) = tied_head_grad {
             ge = (ge + t)?;

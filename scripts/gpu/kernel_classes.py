@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Sums an Nsight Compute CSV (`ncu --metrics gpu__time_duration.sum --csv --print-units base`,
+as scripts/gpu/profile_step.sh writes it; lines that are not CSV rows, e.g. the program's own
+output, are skipped) by op class and prints the classes and the top kernels.
+
+    python3 scripts/gpu/kernel_classes.py ncu.csv [--top 25]
+
+Classes (first match wins, on the kernel's function name):
+  gemm        cuBLAS/cuBLASLt kernels (nvjet*, *gemm*, *xmma*, cutlass*)
+  attention   vime_flash_* (vime's FlashAttention-2 forward/backward)
+  lm_head     vime_lmhead_* (log-prob/entropy statistics, dlogits)
+  norm_rope_swiglu  vime_rmsnorm*, vime_rope*, vime_swiglu*, vime_colsum* (norm weight grads)
+  optimizer   vime_adamw*, vime_sumsq*, vime_sum_partials (gradient norm)
+  vime_cast   vime_f32_to_bf16
+  other       everything else: candle's elementwise, copies, fills, casts, reductions, index ops
+"""
+import csv
+import re
+import sys
+from collections import defaultdict
+
+CLASSES = [
+    ("gemm", re.compile(r"nvjet|gemm|xmma|cutlass|sm90_|sm80_", re.I)),
+    ("attention", re.compile(r"vime_flash")),
+    ("lm_head", re.compile(r"vime_lmhead|vime_lm_head")),
+    ("norm_rope_swiglu", re.compile(r"vime_rmsnorm|vime_rope|vime_swiglu|vime_colsum")),
+    ("optimizer", re.compile(r"vime_adamw|vime_sumsq|vime_sum_partials")),
+    ("vime_cast", re.compile(r"vime_f32_to_bf16")),
+]
+
+
+def short(name):
+    # "void foo<...>(args)" -> "foo<...>"; keep it readable.
+    name = re.sub(r"^void ", "", name)
+    name = re.sub(r"\(.*$", "", name)
+    return name[:90]
+
+
+def main():
+    path = sys.argv[1]
+    top = 25
+    if "--top" in sys.argv:
+        top = int(sys.argv[sys.argv.index("--top") + 1])
+    rows = [line for line in open(path, errors="replace") if line.startswith('"')]
+    if not rows:
+        sys.exit(f"{path}: no CSV rows (did ncu run?)")
+    reader = csv.reader(rows)
+    header = next(reader)
+    try:
+        i_name = header.index("Kernel Name")
+        i_metric = header.index("Metric Name")
+        i_value = header.index("Metric Value")
+        i_id = header.index("ID")
+    except ValueError:
+        sys.exit(f"{path}: unexpected header {header}")
+    by_class = defaultdict(float)
+    count_class = defaultdict(int)
+    by_kernel = defaultdict(float)
+    count_kernel = defaultdict(int)
+    seen = set()
+    for r in reader:
+        if len(r) <= max(i_name, i_metric, i_value) or r[i_metric] != "gpu__time_duration.sum":
+            continue
+        if r[i_id] in seen:
+            continue
+        seen.add(r[i_id])
+        ns = float(r[i_value].replace(",", ""))
+        name = r[i_name]
+        cls = next((c for c, rx in CLASSES if rx.search(name)), "other")
+        by_class[cls] += ns
+        count_class[cls] += 1
+        k = short(name)
+        by_kernel[k] += ns
+        count_kernel[k] += 1
+    total = sum(by_class.values())
+    print(f"kernels: {len(seen)}, total GPU time {total / 1e6:.2f} ms")
+    print(f"{'class':<18} {'ms':>9} {'%':>6} {'kernels':>8}")
+    for c, ns in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"{c:<18} {ns / 1e6:9.2f} {100 * ns / total:6.1f} {count_class[c]:8d}")
+    print(f"--- top {top} kernels by total time")
+    print(f"{'ms':>9} {'%':>6} {'calls':>6} {'us/call':>9}  kernel")
+    for k, ns in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]:
+        n = count_kernel[k]
+        print(f"{ns / 1e6:9.2f} {100 * ns / total:6.1f} {n:6d} {ns / n / 1e3:9.1f}  {k}")
+
+
+if __name__ == "__main__":
+    main()
