@@ -217,30 +217,32 @@ extern "C" __global__ void vime_colsum_bf16(const float* __restrict__ part, bf16
 }
 
 // ------------------------------------------------------------------------------------------------
-// RoPE (rotate_half): x [T, H, D], one thread per (token, head, j < D/2). The angle is computed as
-// the CPU kernel does in f32: pos * (1 / theta^(2j / D)); sign = -1 is the backward (rotation by
-// the opposite angle).
+// RoPE (rotate_half): x [T, H, D], one thread per (token, j < D/2) that rotates pair j of every
+// head of its token: the angle (pos * (1 / theta^(2j / D)), in f32 as the CPU kernel computes it)
+// and its sincos are computed once per token instead of once per head. sign = -1 is the backward
+// (rotation by the opposite angle).
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void vime_rope(const bf16* __restrict__ x, bf16* __restrict__ y,
                                      const unsigned int* __restrict__ pos, int t, int h, int d,
                                      float theta, float sign) {
     const int half = d >> 1;
-    const size_t n = (size_t)t * h * half;
+    const size_t n = (size_t)t * half;
     for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n;
          idx += (size_t)gridDim.x * blockDim.x) {
         const int j = idx % half;
-        const size_t th = idx / half;  // token * h + head
-        const int tok = th / h;
+        const size_t tok = idx / half;
         const float inv_freq = 1.f / powf(theta, (float)(2 * j) / (float)d);
         const float a = (float)pos[tok] * inv_freq;
-        float s, c;
-        sincosf(a, &s, &c);
-        s *= sign;
-        const bf16* xr = x + th * d;
-        bf16* yr = y + th * d;
-        const float x1 = __bfloat162float(xr[j]), x2 = __bfloat162float(xr[j + half]);
-        yr[j] = __float2bfloat16(x1 * c - x2 * s);
-        yr[j + half] = __float2bfloat16(x2 * c + x1 * s);
+        float sn, c;
+        sincosf(a, &sn, &c);
+        sn *= sign;
+        const bf16* xr = x + tok * h * d;
+        bf16* yr = y + tok * h * d;
+        for (int hh = 0; hh < h; ++hh, xr += d, yr += d) {
+            const float x1 = __bfloat162float(xr[j]), x2 = __bfloat162float(xr[j + half]);
+            yr[j] = __float2bfloat16(x1 * c - x2 * sn);
+            yr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+        }
     }
 }
 
@@ -250,22 +252,67 @@ extern "C" __global__ void vime_rope(const bf16* __restrict__ x, bf16* __restric
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-g)); }
 
+// 8 bf16 per 16-byte access when every pointer is 16-byte aligned and n % 8 == 0 (the usual case:
+// whole tensors); element by element otherwise. The math is the same either way.
+__device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
+__device__ __forceinline__ float swiglu_f(float g, float u) { return g * sigmoidf_(g) * u; }
+
+__device__ __forceinline__ void swiglu_b(float g, float u, float o, float& dg, float& du) {
+    const float sg = sigmoidf_(g);
+    dg = o * u * sg * (1.f + g * (1.f - sg));
+    du = o * g * sg;
+}
+
 extern "C" __global__ void vime_swiglu_fwd(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                            bf16* __restrict__ y, size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float g = __bfloat162float(gate[i]);
-        y[i] = __float2bfloat16(g * sigmoidf_(g) * __bfloat162float(up[i]));
+    const size_t stride = (size_t)gridDim.x * blockDim.x, tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(y)) {
+        for (size_t i = tid; i < n / 8; i += stride) {
+            uint4 gv = reinterpret_cast<const uint4*>(gate)[i], uv = reinterpret_cast<const uint4*>(up)[i], yv;
+            const bf16* g8 = reinterpret_cast<const bf16*>(&gv);
+            const bf16* u8 = reinterpret_cast<const bf16*>(&uv);
+            bf16* y8 = reinterpret_cast<bf16*>(&yv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+                y8[k] = __float2bfloat16(swiglu_f(__bfloat162float(g8[k]), __bfloat162float(u8[k])));
+            reinterpret_cast<uint4*>(y)[i] = yv;
+        }
+        return;
     }
+    for (size_t i = tid; i < n; i += stride)
+        y[i] = __float2bfloat16(swiglu_f(__bfloat162float(gate[i]), __bfloat162float(up[i])));
 }
 
 extern "C" __global__ void vime_swiglu_bwd(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                            const bf16* __restrict__ gy, bf16* __restrict__ dgate,
                                            bf16* __restrict__ dup, size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float g = __bfloat162float(gate[i]), u = __bfloat162float(up[i]), o = __bfloat162float(gy[i]);
-        const float sg = sigmoidf_(g);
-        dgate[i] = __float2bfloat16(o * u * sg * (1.f + g * (1.f - sg)));
-        dup[i] = __float2bfloat16(o * g * sg);
+    const size_t stride = (size_t)gridDim.x * blockDim.x, tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    float dg, du;
+    if (n % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(gy) && aligned16(dgate) && aligned16(dup)) {
+        for (size_t i = tid; i < n / 8; i += stride) {
+            uint4 gv = reinterpret_cast<const uint4*>(gate)[i], uv = reinterpret_cast<const uint4*>(up)[i],
+                  ov = reinterpret_cast<const uint4*>(gy)[i], dgv, duv;
+            const bf16* g8 = reinterpret_cast<const bf16*>(&gv);
+            const bf16* u8 = reinterpret_cast<const bf16*>(&uv);
+            const bf16* o8 = reinterpret_cast<const bf16*>(&ov);
+            bf16* dg8 = reinterpret_cast<bf16*>(&dgv);
+            bf16* du8 = reinterpret_cast<bf16*>(&duv);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                swiglu_b(__bfloat162float(g8[k]), __bfloat162float(u8[k]), __bfloat162float(o8[k]), dg, du);
+                dg8[k] = __float2bfloat16(dg);
+                du8[k] = __float2bfloat16(du);
+            }
+            reinterpret_cast<uint4*>(dgate)[i] = dgv;
+            reinterpret_cast<uint4*>(dup)[i] = duv;
+        }
+        return;
+    }
+    for (size_t i = tid; i < n; i += stride) {
+        swiglu_b(__bfloat162float(gate[i]), __bfloat162float(up[i]), __bfloat162float(gy[i]), dg, du);
+        dgate[i] = __float2bfloat16(dg);
+        dup[i] = __float2bfloat16(du);
     }
 }
 
@@ -455,12 +502,24 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
 template <typename T>
 __device__ __forceinline__ void sumsq_body(const T* __restrict__ x, size_t n, double* __restrict__ partial) {
     __shared__ double scratch[32];
-    double s = 0.0;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const double v = (double)load_g<T>(x, i);
-        s += v * v;
+    // Four loads in flight per thread per iteration (the loop is bound by memory latency, not
+    // by the f64 math); the order of additions depends only on the grid, so it is deterministic.
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        const double a = (double)load_g<T>(x, i), b = (double)load_g<T>(x, i + stride),
+                     c = (double)load_g<T>(x, i + 2 * stride), e = (double)load_g<T>(x, i + 3 * stride);
+        s0 += a * a;
+        s1 += b * b;
+        s2 += c * c;
+        s3 += e * e;
     }
-    s = block_sum_f64(s, scratch);
+    for (; i < n; i += stride) {
+        const double a = (double)load_g<T>(x, i);
+        s0 += a * a;
+    }
+    double s = block_sum_f64((s0 + s1) + (s2 + s3), scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 

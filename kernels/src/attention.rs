@@ -145,6 +145,71 @@ fn check_cu_seqlens(name: &str, cu: &[u32], tokens: usize) -> Result<()> {
     Ok(())
 }
 
+/// What [`varlen_attention_backward`] needs from the forward besides q, k, v and the output (on
+/// CUDA, the log-sum-exp the forward saved).
+#[derive(Debug, Clone)]
+pub struct AttentionSaved {
+    op: VarlenAttention,
+}
+
+/// [`varlen_attention`] without autograd, for hand-written backward passes: the output and what
+/// its backward needs. CPU, or bf16 with head_dim 128 on CUDA (see [`crate::explicit_backward`]).
+pub fn varlen_attention_saved(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens_q: &Arc<[u32]>,
+    cu_seqlens_k: &Arc<[u32]>,
+    softmax_scale: f64,
+) -> Result<(Tensor, AttentionSaved)> {
+    if !crate::explicit_backward(q.device(), q.dtype(), q.dim(candle_core::D::Minus1)?) {
+        bail!(
+            "varlen_attention_saved: no explicit kernel for {:?} {:?} on this device",
+            q.dtype(),
+            q.dims()
+        );
+    }
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
+    let op = VarlenAttention {
+        cu_q: cu_seqlens_q.clone(),
+        cu_k: cu_seqlens_k.clone(),
+        scale: softmax_scale,
+        #[cfg(feature = "cuda")]
+        lse: Default::default(),
+    };
+    let out = q
+        .contiguous()?
+        .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
+    Ok((out, AttentionSaved { op }))
+}
+
+/// The backward of [`varlen_attention_saved`]: `(dq, dk, dv)` for the upstream gradient `dout`.
+/// `q, k, v, out` are the forward's inputs and output.
+pub fn varlen_attention_backward(
+    saved: &AttentionSaved,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    dout: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    if dout.dims() != q.dims() || out.dims() != q.dims() {
+        bail!(
+            "varlen_attention_backward: out {:?} and dout {:?} must match q {:?}",
+            out.dims(),
+            dout.dims(),
+            q.dims()
+        );
+    }
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (dq, dk, dv) = saved.op.bwd(&q, &k, &v, out, dout)?;
+    Ok((
+        dq.expect("attention dq"),
+        dk.expect("attention dk"),
+        dv.expect("attention dv"),
+    ))
+}
+
 #[derive(Debug, Clone)]
 struct VarlenAttention {
     cu_q: Arc<[u32]>,

@@ -29,12 +29,12 @@ pub mod swiglu;
 pub mod testing;
 pub mod vjp;
 
-pub use attention::varlen_attention;
+pub use attention::{varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved};
 pub use lm_head::{logprobs_entropy, IGNORE_TARGET};
 pub use real::Real;
-pub use rmsnorm::rms_norm;
-pub use rope::rope;
-pub use swiglu::swiglu;
+pub use rmsnorm::{rms_norm, rms_norm_backward};
+pub use rope::{rope, rope_backward};
+pub use swiglu::{swiglu, swiglu_backward};
 pub use vjp::vjp_seed;
 
 /// Whether the public ops run the fused CUDA kernels for tensors of this device and dtype (bf16 on
@@ -48,5 +48,29 @@ pub fn fused_cuda(device: &candle_core::Device, dtype: candle_core::DType) -> bo
     {
         let _ = (device, dtype);
         false
+    }
+}
+
+/// Whether the explicit forward/backward pairs (`*_backward`, [`varlen_attention_saved`]) run for
+/// tensors of this device, dtype and head size: the CPU kernels (any float dtype), or the fused
+/// CUDA kernels (bf16, head_dim 128). Elsewhere only the autograd ops (which fall back to
+/// [`composed`]) exist.
+pub fn explicit_backward(device: &candle_core::Device, dtype: candle_core::DType, head_dim: usize) -> bool {
+    device.is_cpu() || (fused_cuda(device, dtype) && head_dim == 128)
+}
+
+/// A linear layer's weight gradient `dy^T x` (`dy: [T, out]`, `x: [T, in]`), `[out, in]` in at
+/// least f32 (f64 inputs stay f64). Fused CUDA (bf16): one cuBLAS GEMM writing f32 directly, so the
+/// f32 gradient buffers of the optimizer need no separate cast pass.
+pub fn weight_grad(dy: &candle_core::Tensor, x: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::DType;
+    #[cfg(feature = "cuda")]
+    if fused_cuda(dy.device(), dy.dtype()) && x.dtype() == dy.dtype() {
+        return cuda::weight_grad_f32(&dy.contiguous()?, &x.contiguous()?);
+    }
+    let g = dy.t()?.matmul(x)?;
+    match g.dtype() {
+        DType::F64 | DType::F32 => Ok(g),
+        _ => g.to_dtype(DType::F32),
     }
 }

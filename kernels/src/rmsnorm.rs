@@ -32,6 +32,28 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNorm { eps })
 }
 
+/// The backward of [`rms_norm`] without autograd, for hand-written backward passes:
+/// `(dx, dweight)` for the upstream gradient `dy`. CPU, or bf16 on CUDA (see
+/// [`crate::explicit_backward`]).
+pub fn rms_norm_backward(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    if !(x.device().is_cpu() || crate::fused_cuda(x.device(), x.dtype())) {
+        bail!(
+            "rms_norm_backward: no explicit kernel for {:?} on this device",
+            x.dtype()
+        );
+    }
+    if dy.dims() != x.dims() {
+        bail!(
+            "rms_norm_backward: dy {:?} and x {:?} differ in shape",
+            dy.dims(),
+            x.dims()
+        );
+    }
+    let (x, weight) = (x.contiguous()?, weight.contiguous()?);
+    let (dx, dw) = RmsNorm { eps }.bwd(&x, &weight, &x, dy)?;
+    Ok((dx.expect("rms_norm dx"), dw.expect("rms_norm dweight")))
+}
+
 #[derive(Debug, Clone, Copy)]
 struct RmsNorm {
     eps: f64,

@@ -34,6 +34,22 @@ pub fn rope(x: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
     })
 }
 
+/// The backward of [`rope`] without autograd: the rotation of `dy` by the opposite angles.
+pub fn rope_backward(dy: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
+    if !dy.device().is_cpu() && !crate::fused_cuda(dy.device(), dy.dtype()) {
+        bail!("rope_backward: no explicit kernel for {:?} on this device", dy.dtype());
+    }
+    let (t, _h, d) = dy.dims3()?;
+    if positions.len() != t || d % 2 != 0 {
+        bail!("rope_backward: {} positions for dy {:?}", positions.len(), dy.dims());
+    }
+    dy.contiguous()?.apply_op1_no_bwd(&Rope {
+        positions: positions.clone(),
+        theta,
+        sign: -1.0,
+    })
+}
+
 #[derive(Debug, Clone)]
 struct Rope {
     positions: Arc<[u32]>,

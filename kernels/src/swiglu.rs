@@ -22,6 +22,27 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
 }
 
+/// The backward of [`swiglu`] without autograd: `(d_gate, d_up)` for the upstream gradient `dy`.
+pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    if !(gate.device().is_cpu() || crate::fused_cuda(gate.device(), gate.dtype())) {
+        bail!(
+            "swiglu_backward: no explicit kernel for {:?} on this device",
+            gate.dtype()
+        );
+    }
+    if gate.dims() != up.dims() || dy.dims() != gate.dims() {
+        bail!(
+            "swiglu_backward: gate {:?}, up {:?} and dy {:?} must match",
+            gate.dims(),
+            up.dims(),
+            dy.dims()
+        );
+    }
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    let (dg, du) = SwiGlu.bwd(&gate, &up, &gate, dy)?;
+    Ok((dg.expect("swiglu d_gate"), du.expect("swiglu d_up")))
+}
+
 #[inline]
 fn sigmoid<R: Real>(g: R) -> R {
     R::ONE / (R::ONE + (-g).exp())

@@ -9,6 +9,7 @@
 //! hands `grad * g` to `y`, where `grad` is the scalar seed (1 from `backward()`). So
 //! `vjp_seed(y, g).backward()` yields exactly the gradients of `(y * g).sum_all().backward()`
 //! without the reduction or the elementwise product in the forward.
+#[cfg(feature = "cuda")]
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
@@ -16,10 +17,18 @@ use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 /// detached: no gradient flows into it.
 pub fn vjp_seed(y: &Tensor, g: &Tensor) -> Result<Tensor> {
     if y.dims() != g.dims() {
-        bail!("vjp_seed: output {:?} and its gradient {:?} differ in shape", y.dims(), g.dims());
+        bail!(
+            "vjp_seed: output {:?} and its gradient {:?} differ in shape",
+            y.dims(),
+            g.dims()
+        );
     }
     if y.dtype() != g.dtype() {
-        bail!("vjp_seed: output is {:?} but its gradient is {:?}", y.dtype(), g.dtype());
+        bail!(
+            "vjp_seed: output is {:?} but its gradient is {:?}",
+            y.dtype(),
+            g.dtype()
+        );
     }
     y.apply_op2(&g.detach(), VjpSeed)
 }
@@ -46,7 +55,10 @@ impl CustomOp2 for VjpSeed {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dev = s1.device();
         let zero = dev.alloc_zeros::<f32>(1)?;
-        Ok((candle_core::CudaStorage::wrap_cuda_slice(zero, dev.clone()), Shape::from(())))
+        Ok((
+            candle_core::CudaStorage::wrap_cuda_slice(zero, dev.clone()),
+            Shape::from(()),
+        ))
     }
 
     fn bwd(&self, _y: &Tensor, g: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {

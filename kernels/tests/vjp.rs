@@ -38,9 +38,13 @@ fn seeds_the_same_gradients_as_the_weighted_sum() -> Result<()> {
 fn rejects_mismatched_gradients() -> Result<()> {
     let dev = Device::Cpu;
     let y = Tensor::zeros((3, 4), DType::F32, &dev)?;
-    let err = vjp_seed(&y, &Tensor::zeros((4, 3), DType::F32, &dev)?).unwrap_err().to_string();
+    let err = vjp_seed(&y, &Tensor::zeros((4, 3), DType::F32, &dev)?)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("differ in shape"), "{err}");
-    let err = vjp_seed(&y, &Tensor::zeros((3, 4), DType::BF16, &dev)?).unwrap_err().to_string();
+    let err = vjp_seed(&y, &Tensor::zeros((3, 4), DType::BF16, &dev)?)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("BF16"), "{err}");
     Ok(())
 }

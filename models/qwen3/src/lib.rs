@@ -9,6 +9,7 @@
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
+mod explicit;
 pub mod infer;
 pub mod model;
 pub mod state_dict;

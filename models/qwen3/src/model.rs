@@ -94,6 +94,8 @@ pub struct Qwen3 {
     params: Vec<(String, Var)>,
     /// Tokens per LM-head chunk (bounds the live logits block to `chunk x vocab` f32).
     logits_chunk_tokens: usize,
+    /// Layers run the hand-written backward (`explicit.rs`) instead of candle's autograd.
+    explicit_backward: bool,
 }
 
 /// Weights as plain tensors: tracked (part of the autograd graph) or detached (no graph at all).
@@ -179,6 +181,7 @@ impl Qwen3 {
         } else {
             ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096)
         };
+        let explicit_backward = vime_kernels::explicit_backward(embed.device(), embed.dtype(), cfg.head_dim);
         Ok(Self {
             cfg,
             embed,
@@ -187,6 +190,7 @@ impl Qwen3 {
             lm_head,
             params,
             logits_chunk_tokens,
+            explicit_backward,
         })
     }
 
@@ -249,6 +253,25 @@ impl Qwen3 {
 
     pub fn set_logits_chunk_tokens(&mut self, n: usize) {
         self.logits_chunk_tokens = n.max(1);
+    }
+
+    /// Whether the layers' backward is the hand-written one (`explicit.rs`; the default wherever
+    /// its kernels exist: the CPU, and bf16 with head_dim 128 on CUDA) or candle's autograd over
+    /// the same forward (the reference the explicit one is tested against).
+    pub fn explicit_backward(&self) -> bool {
+        self.explicit_backward
+    }
+
+    pub fn set_explicit_backward(&mut self, on: bool) -> Result<()> {
+        if on && !vime_kernels::explicit_backward(self.device(), self.dtype(), self.cfg.head_dim) {
+            bail!(
+                "the explicit backward has no kernels for {:?} with head_dim {} on this device",
+                self.dtype(),
+                self.cfg.head_dim
+            );
+        }
+        self.explicit_backward = on;
+        Ok(())
     }
 
     pub(crate) fn lm_head_weight(&self, track: bool) -> Tensor {
@@ -360,13 +383,20 @@ impl Qwen3 {
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
         let keep_graph = recompute == Recompute::None;
-        // Forward. Under `None`, `kept[l]` holds layer l's input leaf and its tracked output; under
-        // `Full`, `inputs[l]` holds only the layer's (detached) input.
+        let explicit = self.explicit_backward;
+        // Forward. Under `None`, `kept[l]` holds layer l's input leaf and its tracked output
+        // (explicit backward: `saved[l]`, the layer's saved activations); under `Full`,
+        // `inputs[l]` holds only the layer's (detached) input.
         let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
         let mut kept: Vec<Option<(Var, Tensor)>> = Vec::with_capacity(self.layers.len());
+        let mut saved: Vec<Option<crate::explicit::Saved>> = Vec::with_capacity(self.layers.len());
         let mut x = self.embed_tokens(batch, false)?;
         for l in &self.layers {
-            if keep_graph {
+            if keep_graph && explicit {
+                let (y, s) = self.layer_forward_saved(l, &x, batch)?;
+                x = y;
+                saved.push(Some(s));
+            } else if keep_graph {
                 let leaf = Var::from_tensor(&x)?;
                 let y = self.layer_forward(l, leaf.as_tensor(), batch, true)?;
                 x = y.detach();
@@ -403,6 +433,14 @@ impl Qwen3 {
 
         // Layers in reverse.
         for (i, l) in self.layers.iter().enumerate().rev() {
+            if explicit {
+                let s = match saved.get_mut(i).and_then(Option::take) {
+                    Some(s) => s,
+                    None => self.layer_forward_saved(l, &inputs[i], batch)?.1,
+                };
+                g = self.layer_backward(i, s, &g, batch, &mut params)?;
+                continue;
+            }
             let (leaf, y) = match kept[i].take() {
                 Some(pair) => pair,
                 None => {
