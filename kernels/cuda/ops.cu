@@ -449,6 +449,10 @@ __device__ __forceinline__ float load_g<bf16>(const bf16* g, size_t i) { return 
 struct AdamConsts {
     float keep, one_m_b1, b2, one_m_b2, inv_bc2, eps, neg_step;
     int decay;
+    // Gradient clipping folded in: g = g * grad_scale (one f32 multiply, as the separate scaling
+    // pass computed it) when scale != 0.
+    float grad_scale;
+    int scale;
 };
 
 template <typename G>
@@ -456,7 +460,8 @@ __device__ __forceinline__ void adamw_body(float* __restrict__ p, const G* __res
                                            float* __restrict__ v, bf16* __restrict__ model, size_t n,
                                            const AdamConsts c) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        const float gi = load_g<G>(g, i);
+        float gi = load_g<G>(g, i);
+        if (c.scale) gi = __fmul_rn(gi, c.grad_scale);
         float pi = p[i];
         if (c.decay) pi = __fmul_rn(pi, c.keep);
         float mi = m[i];

@@ -807,6 +807,9 @@ pub struct AdamConsts {
     pub eps: f32,
     pub neg_step: f32,
     pub decay: i32,
+    /// The gradient is multiplied by `grad_scale` first (clipping) when `scale != 0`.
+    pub grad_scale: f32,
+    pub scale: i32,
 }
 
 unsafe impl DeviceRepr for AdamConsts {}
@@ -877,6 +880,39 @@ pub fn adamw_update(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Memory pool
+// ---------------------------------------------------------------------------------------------
+
+/// Keeps freed device memory cached in the device's stream-ordered pool (release threshold =
+/// max) instead of handing it back to the driver at every synchronisation: candle allocates
+/// with `cuMemAllocAsync`, and the default threshold (0) unmaps the pool at each host sync (one
+/// per micro-batch, for the loss value), so the next step's allocations would map memory again.
+/// This is what torch's caching allocator does; the used-memory figure then includes the cache.
+pub fn keep_pool_memory(device: &candle_core::Device) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::{result as drv, sys as drv_sys};
+    let candle_core::Device::Cuda(d) = device else {
+        return Ok(());
+    };
+    let ctx = d.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    ctx.bind_to_thread().w()?;
+    let mut threshold: u64 = u64::MAX;
+    unsafe {
+        let pool = drv::device::get_default_mem_pool(ctx.cu_device()).w()?;
+        drv_sys::cuMemPoolSetAttribute(
+            pool,
+            drv_sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .w()?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
 // Weight gradients
 // ---------------------------------------------------------------------------------------------
 
@@ -911,6 +947,38 @@ pub(crate) fn weight_grad_f32(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
         candle_core::op::BackpropOp::none(),
         false,
     ))
+}
+
+/// `acc += a . w` in place, bf16: `acc: [T, D]` (owned by the caller, not shared), `a: [T, I]`,
+/// `w: [I, D]` (a weight as HF stores it, `[out, in]`), contiguous. One cuBLAS GEMM with beta 1
+/// (f32 accumulation, one rounding) instead of a GEMM into a new buffer and an add pass.
+pub(crate) fn matmul_acc_inplace(acc: &Tensor, a: &Tensor, w: &Tensor) -> Result<()> {
+    let (t, d) = acc.dims2()?;
+    let (t2, i) = a.dims2()?;
+    let (i2, d2) = w.dims2()?;
+    if t != t2 || i != i2 || d != d2 {
+        bail!(
+            "matmul_acc: acc {:?} != a {:?} . w {:?}",
+            acc.dims(),
+            a.dims(),
+            w.dims()
+        );
+    }
+    check_bf16("matmul_acc", &[acc.dtype(), a.dtype(), w.dtype()])?;
+    let dev = match acc.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("matmul_acc: tensors must be on a CUDA device"),
+    };
+    if t == 0 || d == 0 || i == 0 {
+        return Ok(());
+    }
+    let (cp, ap, wp) = (
+        tensor_addr::<bf16>(acc, "matmul_acc acc")?,
+        tensor_addr::<bf16>(a, "matmul_acc a")?,
+        tensor_addr::<bf16>(w, "matmul_acc w")?,
+    );
+    // Column-major: acc^T [d, t] += W-as-stored [d, i] . A-as-stored [i, t].
+    unsafe { gemm(&dev, false, false, d, t, i, wp, d, ap, i, 1.0, cp, false, d) }
 }
 
 // ---------------------------------------------------------------------------------------------

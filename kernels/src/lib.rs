@@ -74,3 +74,24 @@ pub fn weight_grad(dy: &candle_core::Tensor, x: &candle_core::Tensor) -> candle_
         _ => g.to_dtype(DType::F32),
     }
 }
+
+/// `acc + a . w` (`acc: [T, D]`, `a: [T, I]`, `w: [I, D]`), consuming `acc`. Fused CUDA (bf16):
+/// the GEMM accumulates into `acc`'s buffer in place (cuBLAS beta = 1), saving an add pass; the
+/// caller must own `acc` (a fresh result, not shared with another tensor). Elsewhere: matmul +
+/// add.
+pub fn matmul_acc(
+    acc: candle_core::Tensor,
+    a: &candle_core::Tensor,
+    w: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    #[cfg(feature = "cuda")]
+    if fused_cuda(acc.device(), acc.dtype())
+        && a.dtype() == acc.dtype()
+        && w.dtype() == acc.dtype()
+        && acc.is_contiguous()
+    {
+        cuda::matmul_acc_inplace(&acc, &a.contiguous()?, &w.contiguous()?)?;
+        return Ok(acc);
+    }
+    acc + a.matmul(w)?
+}

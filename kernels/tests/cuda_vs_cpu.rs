@@ -245,8 +245,12 @@ fn check_adamw(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Resul
             eps: eps as f32,
             neg_step: (-(lr / bc1)) as f32,
             decay: 1,
+            // Step 2 folds a clipping coefficient in; the CPU side scales the gradient first.
+            grad_scale: 0.37,
+            scale: (t == 2) as i32,
         };
         vime_kernels::cuda::adamw_update(&pg, &g.to_device(gpu)?, &mg, &vg, Some(&model), c)?;
+        let g = if t == 2 { g.affine(0.37f32 as f64, 0.0)? } else { g };
         (p, m, v) = adamw_cpu(&p, &g, &m, &v, lr, wd, b1, b2, eps, t)?;
     }
     let mut worst = 0f32;
@@ -418,6 +422,8 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         eps: 1e-8,
         neg_step: -3e-4,
         decay: 1,
+        grad_scale: 1.0,
+        scale: 0,
     };
     let ms = median_ms(&gpu, 20, &mut || {
         vime_kernels::cuda::adamw_update(&pbuf, &gbuf, &m, &v, Some(&model), c)

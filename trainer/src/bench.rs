@@ -19,7 +19,7 @@
 //! used memory (`cuMemGetInfo`: total - free, which includes the stream-ordered pool's cached
 //! blocks, i.e. torch's "reserved" rather than "allocated") every 2 ms during the timed steps.
 use crate::device::parse_device;
-use crate::optim::{clip_grad_norm, AdamW, GradAccumulator, OptimizerArgs};
+use crate::optim::{clip_coefficient, global_grad_norm, AdamW, GradAccumulator, OptimizerArgs};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
@@ -314,9 +314,9 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         }
         device.synchronize()?;
         let s1 = Instant::now();
-        let mut grads = acc.take();
-        clip_grad_norm(&mut grads, 1.0)?;
-        opt.step(&grads, opt_args.lr)?;
+        let grads = acc.take();
+        let norm = global_grad_norm(&grads)?;
+        opt.step_scaled(&grads, opt_args.lr, clip_coefficient(norm, 1.0))?;
         device.synchronize()?;
         let s2 = Instant::now();
         if step >= args.warmup {

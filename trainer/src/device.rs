@@ -18,7 +18,10 @@ pub fn parse_device(s: &str) -> Result<Device> {
                     "device {s:?} asked for, but this vime-train was built without CUDA (rebuild with --features cuda)"
                 );
             }
-            Ok(Device::new_cuda(ordinal)?)
+            let device = Device::new_cuda(ordinal)?;
+            #[cfg(feature = "cuda")]
+            vime_kernels::cuda::keep_pool_memory(&device)?;
+            Ok(device)
         }
         other => bail!("unknown device {other:?} (expected cpu, cuda or cuda:N)"),
     }

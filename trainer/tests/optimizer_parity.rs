@@ -597,3 +597,48 @@ fn grad_accumulator_sums_in_f32() -> Result<()> {
     assert_eq!(sums["b"].to_vec1::<f32>()?, vec![0.25]);
     Ok(())
 }
+
+/// `step_scaled(grads, lr, clip_coefficient(norm))` (clipping folded into the update, as the
+/// training step and the fused CUDA kernel do it) equals clipping the gradients and then stepping,
+/// bit for bit, for f32 and bf16 models; and a norm below the bound applies no scale.
+#[test]
+fn folded_clipping_equals_clip_then_step() -> Result<()> {
+    use vime_trainer::optim::clip_coefficient;
+    for dtype in [DType::F32, DType::BF16] {
+        let args = OptimizerArgs {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            clip_grad: 1.0,
+            ..Default::default()
+        };
+        let (pa, pb) = (toy_params(dtype, 5), toy_params(dtype, 5));
+        let (mut a, mut b) = (AdamW::new(&pa, &args)?, AdamW::new(&pb, &args)?);
+        let mut rng = Rng::new(17);
+        let mut scaled_steps = 0;
+        for _ in 0..4 {
+            let g = toy_grads(&pa, &mut rng);
+            let mut clipped = g.clone();
+            let norm = clip_grad_norm(&mut clipped, args.clip_grad)?;
+            a.step(&clipped, 1e-2)?;
+            assert_eq!(norm, global_grad_norm(&g)?);
+            let coef = clip_coefficient(norm, args.clip_grad);
+            scaled_steps += usize::from(coef.is_some());
+            b.step_scaled(&g, 1e-2, coef)?;
+        }
+        assert!(
+            scaled_steps > 0,
+            "the toy gradients must exceed the clip bound at least once"
+        );
+        for ((n, va), (_, vb)) in pa.iter().zip(&pb) {
+            assert_eq!(bits(va.as_tensor()), bits(vb.as_tensor()), "{dtype:?} {n}");
+        }
+        let (sa, sb) = (a.state_tensors()?, b.state_tensors()?);
+        for (n, t) in &sa {
+            assert_eq!(bits(t), bits(&sb[n]), "{dtype:?} state {n}");
+        }
+    }
+    assert_eq!(clip_coefficient(0.5, 1.0), None);
+    assert_eq!(clip_coefficient(3.0, 0.0), None);
+    assert!((clip_coefficient(3.0, 1.0).unwrap() - 1.0 / (3.0 + 1e-6)).abs() < 1e-15);
+    Ok(())
+}

@@ -156,6 +156,23 @@ impl AdamW {
     /// One AdamW step with learning rate `lr` on the (accumulated, clipped) gradients, keyed by
     /// the same names as the parameters. Writes the new weights into the model's `Var`s.
     pub fn step(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<StepStats> {
+        self.step_scaled(grads, lr, None)
+    }
+
+    /// [`Self::step`] on `grads * grad_scale` without a separate pass over the gradients: the
+    /// fused CUDA update multiplies as it loads, the CPU path scales first (the same f32
+    /// multiply, so the result is bit-identical to clipping first and then stepping).
+    pub fn step_scaled(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        grad_scale: Option<f64>,
+    ) -> Result<StepStats> {
+        if let Some(s) = grad_scale {
+            if !(s.is_finite() && s > 0.0) {
+                bail!("gradient scale must be finite and > 0, got {s}");
+            }
+        }
         if !(lr.is_finite() && lr >= 0.0) {
             bail!("learning rate must be finite and >= 0, got {lr}");
         }
@@ -202,6 +219,8 @@ impl AdamW {
                     eps: eps as f32,
                     neg_step: (-step_size) as f32,
                     decay: (decay != 0.0) as i32,
+                    grad_scale: grad_scale.unwrap_or(1.0) as f32,
+                    scale: grad_scale.is_some() as i32,
                 };
                 let g = grads[&p.name].contiguous()?;
                 let g = match g.dtype() {
@@ -218,7 +237,10 @@ impl AdamW {
             }
             let name = p.name.clone();
             let update = || -> Result<(Tensor, Tensor, Tensor)> {
-                let g = grads[&p.name].to_dtype(DType::F32)?.to_device(p.var.device())?;
+                let mut g = grads[&p.name].to_dtype(DType::F32)?.to_device(p.var.device())?;
+                if let Some(s) = grad_scale {
+                    g = g.affine(s, 0.0)?;
+                }
                 let mut master = p.master();
                 let decay = if p.weight_decay { lr * wd } else { 0.0 };
                 if decay != 0.0 {

@@ -89,13 +89,20 @@ pub fn global_grad_norm(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
     Ok(norm)
 }
 
+/// The clipping coefficient `max_norm / (norm + 1e-6)` when it is below 1 (and `max_norm > 0`);
+/// `None` when the gradients stay as they are.
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> Option<f64> {
+    let coef = max_norm / (norm + 1e-6);
+    (max_norm > 0.0 && coef < 1.0).then_some(coef)
+}
+
 /// Scales all gradients by `max_norm / (norm + 1e-6)` when that is below 1; returns the norm
-/// before clipping. `max_norm <= 0` only measures.
+/// before clipping. `max_norm <= 0` only measures. (The training step instead passes
+/// [`clip_coefficient`] to `AdamW::step_scaled`, which folds the scaling into the update.)
 pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> Result<f64> {
     let norm = global_grad_norm(grads)?;
-    if max_norm > 0.0 {
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
+    {
+        if let Some(coef) = clip_coefficient(norm, max_norm) {
             for (name, g) in grads.iter_mut() {
                 *g = g
                     .affine(coef, 0.0)

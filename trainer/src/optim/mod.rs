@@ -28,7 +28,7 @@ mod grads;
 mod schedule;
 
 pub use adamw::{megatron_weight_decay, AdamW, StepStats};
-pub use grads::{clip_grad_norm, global_grad_norm, GradAccumulator, NonFiniteGradNorm};
+pub use grads::{clip_coefficient, clip_grad_norm, global_grad_norm, GradAccumulator, NonFiniteGradNorm};
 pub use schedule::{LrDecayStyle, LrScheduler, WsdDecayStyle};
 
 use serde::{Deserialize, Serialize};

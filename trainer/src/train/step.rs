@@ -8,7 +8,7 @@
 //! tokens only, as `crate::rl` expects, and gradients flow back to the packed outputs.
 use crate::batching::{MicroBatch, MicroBatchPolicy, SampleView};
 use crate::critic::Critic;
-use crate::optim::{clip_grad_norm, AdamW, GradAccumulator, LrScheduler};
+use crate::optim::{clip_coefficient, global_grad_norm, AdamW, GradAccumulator, LrScheduler};
 use crate::rl::{policy_loss, value_loss, LossReducer, PolicyLossInputs, RlArgs, ValueLossInputs};
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -179,10 +179,11 @@ fn optimizer_step(
         report.tokens += mb.num_tokens();
         report.micro_batches += 1;
     }
-    let mut grads = acc.take();
-    report.grad_norm = clip_grad_norm(&mut grads, cfg.clip_grad)?;
+    let grads = acc.take();
+    // Clipping is folded into the update (no separate pass over the f32 gradients).
+    report.grad_norm = global_grad_norm(&grads)?;
     report.lr = sched.lr_at(opt.num_steps());
-    opt.step(&grads, report.lr)?;
+    opt.step_scaled(&grads, report.lr, clip_coefficient(report.grad_norm, cfg.clip_grad))?;
     Ok(report)
 }
 
