@@ -21,10 +21,11 @@
 //!   dWq = dq^T h1 (k, v likewise)   dh1 = dq·Wq + dk·Wk + dv·Wv   dx = dx2 + rms'(x; dh1)
 //! (optional q/k/v/o biases: db = column sums of the same upstream gradients).
 //!
-//! Memory: [`Saved`] keeps x, the pre-norm q and k, v, the roped q and k, the attention output,
-//! x2, gate, up and the SwiGLU output. The normed h1 and h2 are recomputed in the backward (one
-//! RMSNorm pass each, ~25 us at 4096 x 2560) rather than kept; the SwiGLU output is kept because
-//! recomputing it cost ~140 us per layer at 4096 x 9728.
+//! Memory: [`Saved`] keeps x, h1, the pre-norm q and k, v, the roped q and k, the attention
+//! output, x2, h2, gate, up and the SwiGLU output: about 0.5 GB per Qwen3-4B layer at 4096
+//! tokens. Nothing is recomputed in the backward (recomputing the SwiGLU output cost ~140 us per
+//! layer at 4096 x 9728, each norm ~25 us); `Recompute::Full` keeps only x and re-runs the
+//! whole layer forward instead.
 use crate::batch::PackedBatch;
 use crate::model::{Layer, Qwen3};
 use anyhow::Result;
@@ -38,6 +39,7 @@ use vime_kernels::{
 /// The activations of one layer's forward that its explicit backward reads.
 pub(crate) struct Saved {
     x: Tensor,
+    h1: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -46,6 +48,7 @@ pub(crate) struct Saved {
     attn: Tensor,
     attn_saved: AttentionSaved,
     x2: Tensor,
+    h2: Tensor,
     gate: Tensor,
     up: Tensor,
     act: Tensor,
@@ -85,7 +88,6 @@ impl Qwen3 {
         let q = linear(&h1, &l.q_proj, l.q_bias.as_ref())?.reshape((t, c.num_attention_heads, d))?;
         let k = linear(&h1, &l.k_proj, l.k_bias.as_ref())?.reshape((t, c.num_key_value_heads, d))?;
         let v = linear(&h1, &l.v_proj, l.v_bias.as_ref())?.reshape((t, c.num_key_value_heads, d))?;
-        drop(h1);
         let qr = rope(&rms_norm(&q, &dw(&l.q_norm), eps)?, &batch.position_ids, c.rope_theta)?;
         let kr = rope(&rms_norm(&k, &dw(&l.k_norm), eps)?, &batch.position_ids, c.rope_theta)?;
         let scale = 1.0 / (d as f64).sqrt();
@@ -95,11 +97,11 @@ impl Qwen3 {
         let h2 = rms_norm(&x2, &dw(&l.post_norm), eps)?;
         let gate = linear(&h2, &l.gate_proj, None)?;
         let up = linear(&h2, &l.up_proj, None)?;
-        drop(h2);
         let act = swiglu(&gate, &up)?;
         let y = (&x2 + linear(&act, &l.down_proj, None)?)?;
         let saved = Saved {
             x: x.clone(),
+            h1,
             q,
             k,
             v,
@@ -108,6 +110,7 @@ impl Qwen3 {
             attn,
             attn_saved,
             x2,
+            h2,
             gate,
             up,
             act,
@@ -136,14 +139,13 @@ impl Qwen3 {
         let bgrad = |dy2: &Tensor| -> Result<Tensor> { Ok(dy2.sum(0)?) };
 
         // MLP.
-        let h2 = rms_norm(&s.x2, &dw(&l.post_norm), eps)?;
+        let h2 = &s.h2;
         put(grads, name("mlp.down_proj.weight"), wgrad(dy, &s.act)?)?;
         let ds = dy.matmul(&dw(&l.down_proj))?;
         let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
         drop(ds);
-        put(grads, name("mlp.gate_proj.weight"), wgrad(&dg, &h2)?)?;
-        put(grads, name("mlp.up_proj.weight"), wgrad(&du, &h2)?)?;
-        drop(h2);
+        put(grads, name("mlp.gate_proj.weight"), wgrad(&dg, h2)?)?;
+        put(grads, name("mlp.up_proj.weight"), wgrad(&du, h2)?)?;
         let dh2 = matmul_acc(dg.matmul(&dw(&l.gate_proj))?, &du, &dw(&l.up_proj))?;
         drop((dg, du));
         let (dx2n, dwpost) = rms_norm_backward(&s.x2, &dw(&l.post_norm), eps, &dh2)?;
@@ -178,16 +180,15 @@ impl Qwen3 {
         let dv = dv.reshape((t, nkv * d))?;
 
         // q/k/v projections and the input norm.
-        let h1 = rms_norm(&s.x, &dw(&l.input_norm), eps)?;
-        put(grads, name("self_attn.q_proj.weight"), wgrad(&dq, &h1)?)?;
-        put(grads, name("self_attn.k_proj.weight"), wgrad(&dk, &h1)?)?;
-        put(grads, name("self_attn.v_proj.weight"), wgrad(&dv, &h1)?)?;
+        let h1 = &s.h1;
+        put(grads, name("self_attn.q_proj.weight"), wgrad(&dq, h1)?)?;
+        put(grads, name("self_attn.k_proj.weight"), wgrad(&dk, h1)?)?;
+        put(grads, name("self_attn.v_proj.weight"), wgrad(&dv, h1)?)?;
         for (b, g, n) in [(&l.q_bias, &dq, "q"), (&l.k_bias, &dk, "k"), (&l.v_bias, &dv, "v")] {
             if b.is_some() {
                 put(grads, name(&format!("self_attn.{n}_proj.bias")), bgrad(g)?)?;
             }
         }
-        drop(h1);
         let dh1 = matmul_acc(dq.matmul(&dw(&l.q_proj))?, &dk, &dw(&l.k_proj))?;
         let dh1 = matmul_acc(dh1, &dv, &dw(&l.v_proj))?;
         let (dxn, dwin) = rms_norm_backward(&s.x, &dw(&l.input_norm), eps, &dh1)?;
