@@ -217,6 +217,24 @@ extern "C" __global__ void vime_colsum_bf16(const float* __restrict__ part, bf16
 }
 
 // ------------------------------------------------------------------------------------------------
+// Embedding backward (kernels/src/embedding.rs): out [V, D] f32, row v = init[v] (bf16, optional)
+// + the rows of g at the positions offs[v]..offs[v+1] of pos (grouped by token id, increasing),
+// summed in that order. Rows strided over the grid, columns over the block; no atomics.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void vime_embed_bwd(const bf16* __restrict__ g, const unsigned int* __restrict__ offs,
+                                          const unsigned int* __restrict__ pos, const bf16* __restrict__ init,
+                                          float* __restrict__ out, int vocab, int d) {
+    for (int v = blockIdx.x; v < vocab; v += gridDim.x) {
+        const unsigned int a = offs[v], b = offs[v + 1];
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float s = init ? __bfloat162float(init[(size_t)v * d + c]) : 0.f;
+            for (unsigned int k = a; k < b; ++k) s += __bfloat162float(g[(size_t)pos[k] * d + c]);
+            out[(size_t)v * d + c] = s;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // RoPE (rotate_half): x [T, H, D], one thread per (token, j < D/2) that rotates pair j of every
 // head of its token: the angle (pos * (1 / theta^(2j / D)), in f32 as the CPU kernel computes it)
 // and its sincos are computed once per token instead of once per head. sign = -1 is the backward

@@ -288,6 +288,18 @@ pub(crate) fn rope(
 // SwiGLU
 // ---------------------------------------------------------------------------------------------
 
+/// Threads an elementwise bf16 kernel of ops.cu needs: one per 8 elements when it takes its
+/// 16-byte path (`n % 8 == 0`, every pointer 16-byte aligned; the kernel makes the same test),
+/// else one per element. A grid sized for `n` threads on the vector path would launch 8x the
+/// blocks, 7/8 of them with nothing to do.
+fn elementwise_threads(n: usize, ptrs: &[u64]) -> usize {
+    if n % 8 == 0 && ptrs.iter().all(|p| p % 16 == 0) {
+        n / 8
+    } else {
+        n
+    }
+}
+
 pub(crate) fn swiglu_fwd(g: &CudaStorage, lg: &Layout, u: &CudaStorage, lu: &Layout) -> Result<(CudaStorage, Shape)> {
     check_bf16("swiglu", &[g.dtype(), u.dtype()])?;
     let dev = &g.device;
@@ -301,7 +313,8 @@ pub(crate) fn swiglu_fwd(g: &CudaStorage, lg: &Layout, u: &CudaStorage, lu: &Lay
         );
         let n64 = n as u64;
         let f = ops_fn(dev, "vime_swiglu_fwd")?;
-        launch!(dev, f, cfg(grid_for(n, 256), 256), [&gp, &up, &yp, &n64]);
+        let threads = elementwise_threads(n, &[gp, up, yp]);
+        launch!(dev, f, cfg(grid_for(threads, 256), 256), [&gp, &up, &yp, &n64]);
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lg.shape().clone()))
 }
@@ -329,7 +342,13 @@ pub(crate) fn swiglu_bwd(
         let dup = dgp + (n * 2) as u64;
         let n64 = n as u64;
         let f = ops_fn(dev, "vime_swiglu_bwd")?;
-        launch!(dev, f, cfg(grid_for(n, 256), 256), [&gp, &up, &gyp, &dgp, &dup, &n64]);
+        let threads = elementwise_threads(n, &[gp, up, gyp, dgp, dup]);
+        launch!(
+            dev,
+            f,
+            cfg(grid_for(threads, 256), 256),
+            [&gp, &up, &gyp, &dgp, &dup, &n64]
+        );
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(2 * n)))
 }
@@ -877,6 +896,65 @@ pub fn adamw_update(
         [&pp, &gp, &mp, &vp, &model_p, &n64, &c]
     );
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding backward
+// ---------------------------------------------------------------------------------------------
+
+/// See `crate::embedding`: f32 `[vocab, D]` from bf16 `g: [T, D]` (contiguous) and optional bf16
+/// `init: [vocab, D]`. The positions are grouped by token id with a counting sort on the host.
+pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Option<&Tensor>) -> Result<Tensor> {
+    let (t, d) = g.dims2()?;
+    let dev = match g.device() {
+        candle_core::Device::Cuda(dv) => dv.clone(),
+        _ => bail!("embedding_backward: tensors must be on a CUDA device"),
+    };
+    let mut offs = vec![0u32; vocab + 1];
+    for &id in ids {
+        offs[id as usize + 1] += 1;
+    }
+    for v in 0..vocab {
+        offs[v + 1] += offs[v];
+    }
+    let mut next = offs.clone();
+    let mut pos = vec![0u32; t];
+    for (i, &id) in ids.iter().enumerate() {
+        pos[next[id as usize] as usize] = i as u32;
+        next[id as usize] += 1;
+    }
+    let out = unsafe { dev.alloc::<f32>((vocab * d).max(1)) }?;
+    if vocab > 0 && d > 0 {
+        let (offs_d, pos_d) = (upload_u32(&dev, &offs)?, upload_u32(&dev, &pos)?);
+        let gp = if t > 0 {
+            tensor_addr::<bf16>(g, "embedding_backward g")?
+        } else {
+            0
+        };
+        let ip = match init {
+            Some(i) => tensor_addr::<bf16>(i, "embedding_backward init")?,
+            None => 0u64,
+        };
+        let (op, pp, outp) = (
+            slice_addr(&offs_d, &dev),
+            slice_addr(&pos_d, &dev),
+            slice_addr(&out, &dev),
+        );
+        let (v_i, d_i) = (
+            i32_of("embedding_backward", "vocab", vocab)?,
+            i32_of("embedding_backward", "width", d)?,
+        );
+        let f = ops_fn(&dev, "vime_embed_bwd")?;
+        let blocks = vocab.min(132 * 16) as u32;
+        launch!(dev, f, cfg(blocks, 256), [&gp, &op, &pp, &ip, &outp, &v_i, &d_i]);
+    }
+    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        (vocab, d),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ pub mod attention;
 pub mod composed;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod embedding;
 pub mod lm_head;
 pub mod real;
 pub mod rmsnorm;
@@ -30,7 +31,8 @@ pub mod testing;
 pub mod vjp;
 
 pub use attention::{varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved};
-pub use lm_head::{logprobs_entropy, IGNORE_TARGET};
+pub use embedding::embedding_backward;
+pub use lm_head::{logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, LmHeadSaved, IGNORE_TARGET};
 pub use real::Real;
 pub use rmsnorm::{rms_norm, rms_norm_backward};
 pub use rope::{rope, rope_backward};

@@ -70,6 +70,69 @@ pub fn logprobs_entropy(
     Ok((logprobs, entropy))
 }
 
+/// What [`logprobs_entropy_backward`] needs from [`logprobs_entropy_saved`].
+#[derive(Debug, Clone)]
+pub struct LmHeadSaved {
+    op: LmHead,
+    /// The op's raw output (`[T, 2]`, or `[T, 3]` with the log-sum-exp on CUDA).
+    out: Tensor,
+}
+
+/// [`logprobs_entropy`] without autograd, for hand-written backward passes: `(logprobs, entropy)`
+/// and what the backward needs. CPU, or bf16 on CUDA.
+pub fn logprobs_entropy_saved(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Arc<[u32]>,
+    chunk_tokens: usize,
+) -> Result<(Tensor, Tensor, LmHeadSaved)> {
+    let fused = crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype();
+    if !(hidden.device().is_cpu() || fused) {
+        bail!(
+            "logprobs_entropy_saved: no explicit kernel for {:?} on this device",
+            hidden.dtype()
+        );
+    }
+    validate(hidden, lm_head, targets, chunk_tokens)?;
+    let op = LmHead {
+        targets: targets.clone(),
+        chunk_tokens,
+    };
+    let out = hidden.contiguous()?.apply_op2_no_bwd(&lm_head.contiguous()?, &op)?;
+    let logprobs = out.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
+    let entropy = out.narrow(1, 1, 1)?.squeeze(1)?.contiguous()?;
+    Ok((logprobs, entropy, LmHeadSaved { op, out }))
+}
+
+/// The backward of [`logprobs_entropy_saved`]: `(d_hidden, d_lm_head)` (input dtype) for the
+/// gradients `d_logprobs`, `d_entropy` (`[T]`) of its two outputs.
+pub fn logprobs_entropy_backward(
+    saved: &LmHeadSaved,
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    d_logprobs: &Tensor,
+    d_entropy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (t, cols) = saved.out.dims2()?;
+    if d_logprobs.dims() != [t] || d_entropy.dims() != [t] {
+        bail!(
+            "logprobs_entropy_backward: gradients {:?} and {:?} for {t} tokens",
+            d_logprobs.dims(),
+            d_entropy.dims()
+        );
+    }
+    let dt = saved.out.dtype();
+    let mut grad = Tensor::stack(&[d_logprobs.to_dtype(dt)?, d_entropy.to_dtype(dt)?], 1)?;
+    if cols > 2 {
+        // CUDA's third column (the log-sum-exp) is internal: no gradient.
+        grad = Tensor::cat(&[grad, Tensor::zeros((t, cols - 2), dt, saved.out.device())?], 1)?;
+    }
+    let (dh, dw) = saved
+        .op
+        .bwd(&hidden.contiguous()?, &lm_head.contiguous()?, &saved.out, &grad)?;
+    Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")))
+}
+
 #[derive(Debug, Clone)]
 struct LmHead {
     targets: Arc<[u32]>,

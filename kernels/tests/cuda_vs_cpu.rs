@@ -188,6 +188,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
 
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
+    check_embedding_backward(&gpu, &mut rng, &mut failures)?;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -451,6 +452,52 @@ fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
     );
     if !ok {
         failures.push(format!("sum_squares: rel err {worst:e}"));
+    }
+    Ok(())
+}
+
+/// The embedding backward (f32 out, tied init, repeated ids) on CUDA against the CPU: the same
+/// f32 additions in the same order, so bit-exact.
+fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (vocab, d, t) = (151_936usize, 2560usize, 1024usize);
+    // Repeats: ids from a small range half the time.
+    let ids: Vec<u32> = (0..t)
+        .map(|i| {
+            let r = rng.next_u64();
+            if i % 2 == 0 {
+                (r % 50) as u32
+            } else {
+                (r % vocab as u64) as u32
+            }
+        })
+        .collect();
+    let g = rng.randn(&[t, d], 1.0, DType::BF16, &Device::Cpu)?;
+    let init = rng.randn(&[vocab, d], 1e-2, DType::BF16, &Device::Cpu)?;
+    let mut worst = 0f32;
+    for with_init in [false, true] {
+        let init_c = with_init.then_some(&init);
+        let want = vime_kernels::embedding_backward(&ids, &g, vocab, init_c)?;
+        let init_g = init_c.map(|i| i.to_device(gpu)).transpose()?;
+        let got = vime_kernels::embedding_backward(&ids, &g.to_device(gpu)?, vocab, init_g.as_ref())?;
+        if got.dtype() != DType::F32 || got.dims() != [vocab, d] {
+            failures.push(format!("embedding_backward: got {:?} {:?}", got.dtype(), got.dims()));
+        }
+        let diff = (want - got.to_device(&Device::Cpu)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        worst = worst.max(diff);
+    }
+    let ok = worst == 0.0;
+    println!(
+        "{:<26} {:<52} max |cpu - cuda| {worst:e} (with and without init)  {}",
+        "embedding_backward",
+        format!("[{t}, {d}] bf16 -> [{vocab}, {d}] f32"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("embedding_backward: max abs diff {worst:e}"));
     }
     Ok(())
 }

@@ -25,7 +25,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
-use vime_kernels::{logprobs_entropy, rms_norm, rope, swiglu, varlen_attention, vjp_seed};
+use vime_kernels::{
+    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, rms_norm, rms_norm_backward, rope, swiglu,
+    varlen_attention, vjp_seed,
+};
 
 /// Which activations a layer keeps between its forward and its backward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -365,11 +368,7 @@ impl Qwen3 {
         recompute: Recompute,
         loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_with_head(batch, recompute, |h| {
-            let (logprobs, entropy) =
-                logprobs_entropy(h, &self.lm_head_weight(true), &batch.targets, self.logits_chunk_tokens)?;
-            loss_fn(&TokenOutputs { logprobs, entropy })
-        })
+        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)))
     }
 
     /// The general form: `head` maps the final-normed hidden states `[T, hidden]` (tracked) to a
@@ -380,6 +379,15 @@ impl Qwen3 {
         batch: &PackedBatch,
         recompute: Recompute,
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)))
+    }
+
+    fn forward_backward_impl(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        head: Head<'_>,
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
         let keep_graph = recompute == Recompute::None;
@@ -410,26 +418,38 @@ impl Qwen3 {
 
         // Head: final norm + the caller's loss.
         let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
-        let last = Var::from_tensor(&x)?;
-        let hn = rms_norm(last.as_tensor(), &w(&self.norm, true), self.cfg.rms_norm_eps)?;
-        let loss = head(&hn)?;
-        if loss.elem_count() != 1 {
-            bail!("the loss must be a scalar, got shape {:?}", loss.dims());
-        }
-        let loss_value = loss.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0];
-        let mut head_grads = loss.backward()?;
-        let mut g = take_grad(&mut head_grads, last.as_tensor(), "the final hidden states")?;
-        self.move_grads(&mut head_grads, &mut params, &[&self.norm])?;
-        if let Some(lm) = &self.lm_head {
-            self.move_grads(&mut head_grads, &mut params, &[lm])?;
-        }
-        let tied_head_grad = self
-            .lm_head
-            .is_none()
-            .then(|| head_grads.remove(self.embed.as_tensor()))
-            .flatten();
-        drop(loss);
-        drop(hn);
+        let (loss_value, mut g, head_grads, tied_head_grad) = match head {
+            Head::Lm(loss_fn) if explicit => self.lm_head_explicit(&x, batch, loss_fn, &mut params)?,
+            head => {
+                let last = Var::from_tensor(&x)?;
+                let hn = rms_norm(last.as_tensor(), &w(&self.norm, true), self.cfg.rms_norm_eps)?;
+                let loss = match head {
+                    Head::Lm(loss_fn) => {
+                        let (logprobs, entropy) = logprobs_entropy(
+                            &hn,
+                            &self.lm_head_weight(true),
+                            &batch.targets,
+                            self.logits_chunk_tokens,
+                        )?;
+                        loss_fn(&TokenOutputs { logprobs, entropy })?
+                    }
+                    Head::Hidden(f) => f(&hn)?,
+                };
+                let loss_value = scalar_loss(&loss)?;
+                let mut head_grads = loss.backward()?;
+                let g = take_grad(&mut head_grads, last.as_tensor(), "the final hidden states")?;
+                self.move_grads(&mut head_grads, &mut params, &[&self.norm])?;
+                if let Some(lm) = &self.lm_head {
+                    self.move_grads(&mut head_grads, &mut params, &[lm])?;
+                }
+                let tied = self
+                    .lm_head
+                    .is_none()
+                    .then(|| head_grads.remove(self.embed.as_tensor()))
+                    .flatten();
+                (loss_value, g, head_grads, tied)
+            }
+        };
 
         // Layers in reverse.
         for (i, l) in self.layers.iter().enumerate().rev() {
@@ -475,6 +495,18 @@ impl Qwen3 {
         }
 
         // Embedding.
+        if explicit {
+            let ge =
+                vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?;
+            params.insert("model.embed_tokens.weight".to_string(), ge);
+            return Ok((
+                loss_value,
+                Gradients {
+                    params,
+                    head: head_grads,
+                },
+            ));
+        }
         let e = self.embed_tokens(batch, true)?;
         let mut grads = vjp_seed(&e, &g)?.backward()?;
         let mut ge = take_grad(&mut grads, self.embed.as_tensor(), "model.embed_tokens.weight")?;
@@ -512,6 +544,69 @@ impl Qwen3 {
             .find(|(_, p)| p.as_tensor().id() == id)
             .map(|(n, _)| n.as_str())
             .ok_or_else(|| anyhow!("internal: a variable that is not a model parameter"))
+    }
+}
+
+/// The head of [`Qwen3::forward_backward_impl`]: the model's LM head followed by a loss over
+/// log-probs and entropy, or any head over the final-normed hidden states.
+enum Head<'a> {
+    Lm(Box<dyn FnOnce(&TokenOutputs) -> Result<Tensor> + 'a>),
+    Hidden(Box<dyn FnOnce(&Tensor) -> Result<Tensor> + 'a>),
+}
+
+fn scalar_loss(loss: &Tensor) -> Result<f64> {
+    if loss.elem_count() != 1 {
+        bail!("the loss must be a scalar, got shape {:?}", loss.dims());
+    }
+    Ok(loss.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0])
+}
+
+impl Qwen3 {
+    /// The LM head without autograd through the model (explicit backward): final norm and
+    /// log-probs/entropy forward with no graph, candle's autograd only over the caller's loss
+    /// (from two `[T]` leaves), then the head's and the norm's explicit backward. Returns the loss,
+    /// `dL/dx` of the last layer's output, the loss's own gradient store, and the LM head's
+    /// gradient when it is tied to the embedding (added into the embedding's by the caller).
+    #[allow(clippy::type_complexity)]
+    fn lm_head_explicit(
+        &self,
+        x: &Tensor,
+        batch: &PackedBatch,
+        loss_fn: Box<dyn FnOnce(&TokenOutputs) -> Result<Tensor> + '_>,
+        params: &mut BTreeMap<String, Tensor>,
+    ) -> Result<(f64, Tensor, GradStore, Option<Tensor>)> {
+        let eps = self.cfg.rms_norm_eps;
+        let norm_w = w(&self.norm, false);
+        let hn = rms_norm(x, &norm_w, eps)?;
+        let wlm = self.lm_head_weight(false);
+        let (lp, ent, saved) = logprobs_entropy_saved(&hn, &wlm, &batch.targets, self.logits_chunk_tokens)?;
+        let (lpv, entv) = (Var::from_tensor(&lp)?, Var::from_tensor(&ent)?);
+        let loss = loss_fn(&TokenOutputs {
+            logprobs: lpv.as_tensor().clone(),
+            entropy: entv.as_tensor().clone(),
+        })?;
+        let loss_value = scalar_loss(&loss)?;
+        let mut head_grads = loss.backward()?;
+        let dlp = match head_grads.remove(lpv.as_tensor()) {
+            Some(d) => d,
+            None => lp.zeros_like()?,
+        };
+        let dent = match head_grads.remove(entv.as_tensor()) {
+            Some(d) => d,
+            None => ent.zeros_like()?,
+        };
+        let (dhn, dwlm) = logprobs_entropy_backward(&saved, &hn, &wlm, &dlp, &dent)?;
+        drop(saved);
+        let (g, dnorm) = rms_norm_backward(x, &norm_w, eps, &dhn)?;
+        params.insert("model.norm.weight".to_string(), dnorm);
+        let tied = match &self.lm_head {
+            Some(_) => {
+                params.insert("lm_head.weight".to_string(), dwlm);
+                None
+            }
+            None => Some(dwlm),
+        };
+        Ok((loss_value, g, head_grads, tied))
     }
 }
 
