@@ -293,7 +293,7 @@ pub(crate) fn rope(
 /// else one per element. A grid sized for `n` threads on the vector path would launch 8x the
 /// blocks, 7/8 of them with nothing to do.
 fn elementwise_threads(n: usize, ptrs: &[u64]) -> usize {
-    if n % 8 == 0 && ptrs.iter().all(|p| p % 16 == 0) {
+    if n.is_multiple_of(8) && ptrs.iter().all(|p| p.is_multiple_of(16)) {
         n / 8
     } else {
         n

@@ -299,7 +299,7 @@ fn median_ms(gpu: &Device, iters: usize, f: &mut dyn FnMut() -> Result<()>) -> R
 /// Forward and forward+backward (objective `sum(y * w)` with fixed `w`, whose own backward is a
 /// few elementwise passes, on both sides of the comparison) of `op`.
 fn time_op(name: &str, shape: &str, gpu: &Device, op: Op, inputs: &[Tensor]) -> Result<()> {
-    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t)).collect::<Result<_>>()?;
+    let vars: Vec<Var> = inputs.iter().map(Var::from_tensor).collect::<Result<_>>()?;
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = op(&ts)?;
     let w = Rng::new(3).randn(y.dims(), 1.0, DType::F32, gpu)?;

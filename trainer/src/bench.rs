@@ -252,12 +252,13 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     }
     let fpt = flops_per_token(&cfg, args.seq_len);
     let t0 = Instant::now();
-    let mut model = random_model(cfg.clone(), dtype, &device).context("building the random model")?;
-    match args.backward.as_str() {
-        "explicit" => model.set_explicit_backward(true)?,
-        "autograd" => model.set_explicit_backward(false)?,
+    let explicit = match args.backward.as_str() {
+        "explicit" => true,
+        "autograd" => false,
         other => bail!("--backward {other:?}: explicit or autograd"),
-    }
+    };
+    let mut model = random_model(cfg.clone(), dtype, &device).context("building the random model")?;
+    model.set_explicit_backward(explicit)?;
     let n_params: usize = model.named_parameters().iter().map(|(_, v)| v.elem_count()).sum();
     let opt_args = OptimizerArgs {
         lr: 1e-6,
@@ -415,6 +416,10 @@ mod tests {
             device: "cpu".into(),
             dtype: "f32".into(),
             json: Some(json.clone()),
+            backward: "explicit".into(),
+            layers: None,
+            // f32 on the CPU: the two backwards agree to ~1e-7, far inside the bound.
+            compare_backward: true,
         };
         let out = run(&args).unwrap();
         // embedding + 2 x (q, k, v, o, gate/up/down, two norms of 32, q/k norms of 8) + final norm
@@ -446,6 +451,9 @@ mod tests {
             device: "cpu".into(),
             dtype: "bf16".into(),
             json: None,
+            backward: "explicit".into(),
+            layers: None,
+            compare_backward: false,
         };
         let err = |a: BenchArgs| format!("{:#}", run(&a).unwrap_err());
         let e = err(BenchArgs {
@@ -463,6 +471,16 @@ mod tests {
             ..base.clone()
         });
         assert!(e.contains("recompute"), "{e}");
+        let e = err(BenchArgs {
+            backward: "magic".into(),
+            ..base.clone()
+        });
+        assert!(e.contains("--backward") && e.contains("magic"), "{e}");
+        let e = err(BenchArgs {
+            layers: Some(0),
+            ..base.clone()
+        });
+        assert!(e.contains("--layers"), "{e}");
         let e = err(BenchArgs {
             dtype: "int8".into(),
             ..base

@@ -550,9 +550,15 @@ impl Qwen3 {
 /// The head of [`Qwen3::forward_backward_impl`]: the model's LM head followed by a loss over
 /// log-probs and entropy, or any head over the final-normed hidden states.
 enum Head<'a> {
-    Lm(Box<dyn FnOnce(&TokenOutputs) -> Result<Tensor> + 'a>),
-    Hidden(Box<dyn FnOnce(&Tensor) -> Result<Tensor> + 'a>),
+    Lm(LossFn<'a>),
+    Hidden(HeadFn<'a>),
 }
+
+/// Any head over the final-normed hidden states, returning the loss.
+type HeadFn<'a> = Box<dyn FnOnce(&Tensor) -> Result<Tensor> + 'a>;
+
+/// A loss over the LM head's log-probs and entropy.
+type LossFn<'a> = Box<dyn FnOnce(&TokenOutputs) -> Result<Tensor> + 'a>;
 
 fn scalar_loss(loss: &Tensor) -> Result<f64> {
     if loss.elem_count() != 1 {
@@ -572,7 +578,7 @@ impl Qwen3 {
         &self,
         x: &Tensor,
         batch: &PackedBatch,
-        loss_fn: Box<dyn FnOnce(&TokenOutputs) -> Result<Tensor> + '_>,
+        loss_fn: LossFn<'_>,
         params: &mut BTreeMap<String, Tensor>,
     ) -> Result<(f64, Tensor, GradStore, Option<Tensor>)> {
         let eps = self.cfg.rms_norm_eps;
