@@ -16,8 +16,12 @@
 #   MODELS="qwen3-4b qwen3-0.6b"  SEQS="4096"  RECOMPUTES="full none"
 #   SYSTEMS="vime megatron hf hf-compile"  STEPS=20  WARMUP=3  TIMEOUT=480 (s per contender)
 #   TOKENS_PER_STEP=8192 (all models), or per model TOKENS_PER_STEP_qwen3_4b=..., _qwen3_0_6b=...
-#   MB_VIME MB_MEGATRON MB_HF MB_HF_COMPILE: sequences per micro-batch (default 2); each system
-#     runs TOKENS_PER_STEP / (MB * seq) micro-batches per step (must divide exactly).
+#   MB_VIME MB_MEGATRON MB_HF MB_HF_COMPILE: sequences per micro-batch (default 2, and 1 for
+#     hf-compile, as in the anchors); each system runs TOKENS_PER_STEP / (MB * seq)
+#     micro-batches per step (must divide exactly).
+# The recorded runs (benches/results/2026-11-30-bench-train-h200-*.md) used
+#   MODELS=qwen3-4b RECOMPUTES=none TIMEOUT=170 scripts/gpu/bench_train.sh $OUT/bench
+# so that one call fits the device tool's 10-minute limit (torch.compile alone warms up ~2 min).
 #   RESULTS_DIR=/tmp/bench_train_results: RESULT lines kept across calls on a warm machine, so a
 #     sweep can be split over several calls (one call is limited to 10 minutes); RESET=1 empties
 #     it first; SUMMARY_ONLY=1 runs nothing and prints the table and verdict of what is there.
@@ -37,7 +41,7 @@ TOKENS_PER_STEP=${TOKENS_PER_STEP:-8192}
 MB_VIME=${MB_VIME:-2}
 MB_MEGATRON=${MB_MEGATRON:-2}
 MB_HF=${MB_HF:-2}
-MB_HF_COMPILE=${MB_HF_COMPILE:-2}
+MB_HF_COMPILE=${MB_HF_COMPILE:-1}
 RESULTS_DIR=${RESULTS_DIR:-/tmp/bench_train_results}
 PY=${PY:-python3}
 VERDICT_MODEL=qwen3-4b

@@ -3,7 +3,11 @@
 as scripts/gpu/profile_step.sh writes it; lines that are not CSV rows, e.g. the program's own
 output, are skipped) by op class and prints the classes and the top kernels.
 
-    python3 scripts/gpu/kernel_classes.py ncu.csv [--top 25]
+    python3 scripts/gpu/kernel_classes.py ncu.csv [--top 25] [--skip-until REGEX]
+
+Kernels before the first one matching --skip-until (default `vime_rmsnorm`, the first kernel of
+a training step) are the program's setup (bench-step's random weights: curand, casts) and are
+reported separately, not counted in the classes.
 
 Classes (first match wins, on the kernel's function name):
   gemm        cuBLAS/cuBLASLt kernels (nvjet*, *gemm*, *xmma*, cutlass*)
@@ -41,6 +45,11 @@ def main():
     top = 25
     if "--top" in sys.argv:
         top = int(sys.argv[sys.argv.index("--top") + 1])
+    skip_until = re.compile(r"vime_rmsnorm")
+    if "--skip-until" in sys.argv:
+        skip_until = re.compile(sys.argv[sys.argv.index("--skip-until") + 1])
+    started = False
+    skipped_n, skipped_ns = 0, 0.0
     rows = [line for line in open(path, errors="replace") if line.startswith('"')]
     if not rows:
         sys.exit(f"{path}: no CSV rows (did ncu run?)")
@@ -66,6 +75,11 @@ def main():
         seen.add(r[i_id])
         ns = float(r[i_value].replace(",", ""))
         name = r[i_name]
+        started = started or bool(skip_until.search(name))
+        if not started:
+            skipped_n += 1
+            skipped_ns += ns
+            continue
         cls = next((c for c, rx in CLASSES if rx.search(name)), "other")
         by_class[cls] += ns
         count_class[cls] += 1
@@ -73,7 +87,10 @@ def main():
         by_kernel[k] += ns
         count_kernel[k] += 1
     total = sum(by_class.values())
-    print(f"kernels: {len(seen)}, total GPU time {total / 1e6:.2f} ms")
+    if total == 0:
+        sys.exit(f"{path}: no kernel matched --skip-until {skip_until.pattern!r}")
+    print(f"setup before the first {skip_until.pattern!r} kernel (not counted): {skipped_n} kernels, {skipped_ns / 1e6:.2f} ms")
+    print(f"kernels: {len(seen) - skipped_n}, total GPU time {total / 1e6:.2f} ms")
     print(f"{'class':<18} {'ms':>9} {'%':>6} {'kernels':>8}")
     for c, ns in sorted(by_class.items(), key=lambda kv: -kv[1]):
         print(f"{c:<18} {ns / 1e6:9.2f} {100 * ns / total:6.1f} {count_class[c]:8d}")
