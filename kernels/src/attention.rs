@@ -69,13 +69,7 @@ pub fn varlen_attention(
         return crate::composed::varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale);
     }
     validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
-    let op = VarlenAttention {
-        cu_q: cu_seqlens_q.clone(),
-        cu_k: cu_seqlens_k.clone(),
-        scale: softmax_scale,
-        #[cfg(feature = "cuda")]
-        lse: Default::default(),
-    };
+    let op = VarlenAttention::new(cu_seqlens_q, cu_seqlens_k, softmax_scale);
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -170,13 +164,7 @@ pub fn varlen_attention_saved(
         );
     }
     validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
-    let op = VarlenAttention {
-        cu_q: cu_seqlens_q.clone(),
-        cu_k: cu_seqlens_k.clone(),
-        scale: softmax_scale,
-        #[cfg(feature = "cuda")]
-        lse: Default::default(),
-    };
+    let op = VarlenAttention::new(cu_seqlens_q, cu_seqlens_k, softmax_scale);
     let out = q
         .contiguous()?
         .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
@@ -219,6 +207,18 @@ struct VarlenAttention {
     /// softmax per row instead).
     #[cfg(feature = "cuda")]
     lse: Arc<crate::cuda::SavedLse>,
+}
+
+impl VarlenAttention {
+    fn new(cu_q: &Arc<[u32]>, cu_k: &Arc<[u32]>, scale: f64) -> Self {
+        Self {
+            cu_q: cu_q.clone(),
+            cu_k: cu_k.clone(),
+            scale,
+            #[cfg(feature = "cuda")]
+            lse: Default::default(),
+        }
+    }
 }
 
 /// Sizes of one call, read from the layouts of q and k.

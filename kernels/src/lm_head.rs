@@ -65,6 +65,11 @@ pub fn logprobs_entropy(
         chunk_tokens,
     };
     let out = hidden.contiguous()?.apply_op2(&lm_head.contiguous()?, op)?;
+    split(&out)
+}
+
+/// The op's `[T, 2]` (or `[T, 3]`) output as two contiguous `[T]` tensors: log-probs, entropy.
+fn split(out: &Tensor) -> Result<(Tensor, Tensor)> {
     let logprobs = out.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
     let entropy = out.narrow(1, 1, 1)?.squeeze(1)?.contiguous()?;
     Ok((logprobs, entropy))
@@ -99,8 +104,7 @@ pub fn logprobs_entropy_saved(
         chunk_tokens,
     };
     let out = hidden.contiguous()?.apply_op2_no_bwd(&lm_head.contiguous()?, &op)?;
-    let logprobs = out.narrow(1, 0, 1)?.squeeze(1)?.contiguous()?;
-    let entropy = out.narrow(1, 1, 1)?.squeeze(1)?.contiguous()?;
+    let (logprobs, entropy) = split(&out)?;
     Ok((logprobs, entropy, LmHeadSaved { op, out }))
 }
 
