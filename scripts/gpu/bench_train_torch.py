@@ -175,6 +175,37 @@ def report(args, n_params, fb, optim, total, peak_bytes, last_loss):
     return out
 
 
+def timed_steps(args, device, fwd_bwd, opt_step):
+    """The step loop every torch contender shares, timed as vime's bench-step times its own:
+    --warmup untimed steps, then --steps timed ones, each `fwd_bwd()` (returns the loss of its
+    last micro-batch, or None) and then `opt_step()` (returns a suffix for the warm-up log line
+    and a warning or None), each phase CUDA-synchronised. Peak memory counts from the first timed
+    step. Returns the per-step fwd+bwd, optimizer and total seconds and the last loss."""
+    fb, optim, total = [], [], []
+    last_loss = float("nan")
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            peak_reset(device)
+        s0 = time.perf_counter()
+        loss = fwd_bwd()
+        sync(device)
+        s1 = time.perf_counter()
+        log, warning = opt_step()
+        sync(device)
+        s2 = time.perf_counter()
+        if warning:
+            print(f"  step {step}: {warning}", file=sys.stderr)
+        if loss is not None:
+            last_loss = loss
+        if step >= args.warmup:
+            fb.append(s1 - s0)
+            optim.append(s2 - s1)
+            total.append(s2 - s0)
+        else:
+            print(f"  warm-up step {step}: {s2 - s0:.3f} s{log}", file=sys.stderr, flush=True)
+    return fb, optim, total, last_loss
+
+
 def peak_reset(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -246,31 +277,21 @@ def run_hf(args, device):
     )
 
     batches = make_batches(args, m, device)
-    fb, optim, total = [], [], []
-    last_loss = float("nan")
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            peak_reset(device)
-        s0 = time.perf_counter()
+
+    def fwd_bwd():
         opt.zero_grad(set_to_none=True)
         for ids in batches:
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 out = fwd(input_ids=ids, labels=ids, use_cache=False)
-            loss = out.loss / args.grad_accum
-            loss.backward()
-            last_loss = out.loss.detach()
-        sync(device)
-        s1 = time.perf_counter()
+            (out.loss / args.grad_accum).backward()
+        return out.loss.detach()
+
+    def opt_step():
         torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
-        sync(device)
-        s2 = time.perf_counter()
-        if step >= args.warmup:
-            fb.append(s1 - s0)
-            optim.append(s2 - s1)
-            total.append(s2 - s0)
-        if step < args.warmup:
-            print(f"  warm-up step {step}: {s2 - s0:.3f} s", file=sys.stderr, flush=True)
+        return "", None
+
+    fb, optim, total, last_loss = timed_steps(args, device, fwd_bwd, opt_step)
     return report(args, n_params, fb, optim, total, peak_read(device), float(last_loss))
 
 
@@ -543,12 +564,7 @@ def run_megatron(args, device):
         out = model(tokens, position_ids, None, labels=lab)
         return out, loss_func
 
-    fb, optim, total = [], [], []
-    last_loss = float("nan")
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            peak_reset(device)
-        s0 = time.perf_counter()
+    def fwd_bwd():
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = forward_backward(
@@ -561,22 +577,14 @@ def run_megatron(args, device):
             decoder_seq_length=args.seq_len,
             forward_only=False,
         )
-        sync(device)
-        s1 = time.perf_counter()
+        return losses[-1]["lm loss"] if losses else None
+
+    def opt_step():
         ok, grad_norm, _ = optimizer.step()
-        sync(device)
-        s2 = time.perf_counter()
-        if not ok:
-            print(f"  step {step}: optimizer step skipped (grad norm {grad_norm})", file=sys.stderr)
-        if losses:
-            last_loss = losses[-1]["lm loss"]
-        if step >= args.warmup:
-            fb.append(s1 - s0)
-            optim.append(s2 - s1)
-            total.append(s2 - s0)
-        if step < args.warmup:
-            print(f"  warm-up step {step}: {s2 - s0:.3f} s, grad norm {grad_norm}", file=sys.stderr,
-                  flush=True)
+        warning = None if ok else f"optimizer step skipped (grad norm {grad_norm})"
+        return f", grad norm {grad_norm}", warning
+
+    fb, optim, total, last_loss = timed_steps(args, device, fwd_bwd, opt_step)
     out = report(args, n_params, fb, optim, total, peak_read(device), float(last_loss))
     torch.distributed.destroy_process_group()
     return out

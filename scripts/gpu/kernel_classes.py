@@ -26,7 +26,7 @@ from collections import defaultdict
 CLASSES = [
     ("gemm", re.compile(r"nvjet|gemm|xmma|cutlass|sm90_|sm80_", re.I)),
     ("attention", re.compile(r"vime_flash")),
-    ("lm_head", re.compile(r"vime_lmhead|vime_lm_head")),
+    ("lm_head", re.compile(r"vime_lmhead")),
     ("norm_rope_swiglu", re.compile(r"vime_rmsnorm|vime_rope|vime_swiglu|vime_colsum")),
     ("optimizer", re.compile(r"vime_adamw|vime_sumsq|vime_sum_partials")),
     ("vime_cast", re.compile(r"vime_f32_to_bf16")),

@@ -3,6 +3,8 @@
 (bf16, causal, 32 query / 8 kv heads, head_dim 128, 4096 tokens, enable_gqa as the Megatron and
 HF contenders call it), and its forward+backward time, so the attention part of the comparison
 in scripts/gpu/bench_train.sh can be read. Prints one line per backend."""
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,8 +36,6 @@ def time_fb(ctx):
     torch.cuda.synchronize()
     return s.elapsed_time(e) / 10
 
-
-import contextlib
 
 flops = 4 * B * H * T * (T + 1) / 2 * D * 3.5  # fwd 2 GEMMs + bwd 5 GEMMs, causal
 for name, ctx in [("default", contextlib.nullcontext), ("flash", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),

@@ -495,24 +495,17 @@ impl Qwen3 {
         }
 
         // Embedding.
-        if explicit {
-            let ge =
-                vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?;
-            params.insert("model.embed_tokens.weight".to_string(), ge);
-            return Ok((
-                loss_value,
-                Gradients {
-                    params,
-                    head: head_grads,
-                },
-            ));
-        }
-        let e = self.embed_tokens(batch, true)?;
-        let mut grads = vjp_seed(&e, &g)?.backward()?;
-        let mut ge = take_grad(&mut grads, self.embed.as_tensor(), "model.embed_tokens.weight")?;
-        if let Some(t) = tied_head_grad {
-            ge = (ge + t)?;
-        }
+        let ge = if explicit {
+            vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?
+        } else {
+            let e = self.embed_tokens(batch, true)?;
+            let mut grads = vjp_seed(&e, &g)?.backward()?;
+            let ge = take_grad(&mut grads, self.embed.as_tensor(), "model.embed_tokens.weight")?;
+            match tied_head_grad {
+                Some(t) => (ge + t)?,
+                None => ge,
+            }
+        };
         params.insert("model.embed_tokens.weight".to_string(), ge);
         Ok((
             loss_value,

@@ -101,13 +101,11 @@ pub fn clip_coefficient(norm: f64, max_norm: f64) -> Option<f64> {
 /// [`clip_coefficient`] to `AdamW::step_scaled`, which folds the scaling into the update.)
 pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> Result<f64> {
     let norm = global_grad_norm(grads)?;
-    {
-        if let Some(coef) = clip_coefficient(norm, max_norm) {
-            for (name, g) in grads.iter_mut() {
-                *g = g
-                    .affine(coef, 0.0)
-                    .with_context(|| format!("clipping the gradient of {name}"))?;
-            }
+    if let Some(coef) = clip_coefficient(norm, max_norm) {
+        for (name, g) in grads.iter_mut() {
+            *g = g
+                .affine(coef, 0.0)
+                .with_context(|| format!("clipping the gradient of {name}"))?;
         }
     }
     Ok(norm)

@@ -5,10 +5,14 @@
 //!
 //! ```text
 //! for mb in micro_batches { acc.add(&model.forward_backward(mb, ..)?.1.params)?; }
-//! let mut grads = acc.take();                                   // f32 sums by HF name
-//! let grad_norm = clip_grad_norm(&mut grads, args.clip_grad)?;  // norm before clipping
-//! adamw.step(&grads, sched.lr_at(adamw.num_steps()))?;          // writes the model's Vars
+//! let grads = acc.take();                                       // f32 sums by HF name
+//! let grad_norm = global_grad_norm(&grads)?;                    // norm before clipping
+//! let lr = sched.lr_at(adamw.num_steps());
+//! adamw.step_scaled(&grads, lr, clip_coefficient(grad_norm, args.clip_grad))?; // writes the Vars
 //! ```
+//!
+//! `step_scaled` folds the clipping into the update (bit-identical to [`clip_grad_norm`] followed
+//! by `step`, which is the torch-parity reference).
 //!
 //! Decisions:
 //! - Flags keep Megatron/slime spellings (`--lr`, `--min-lr`, `--lr-decay-style`, `--adam-beta2`,
