@@ -47,6 +47,78 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Sto
 use rayon::prelude::*;
 use std::sync::Arc;
 
+/// Which kernel runs bf16 attention on CUDA (the CPU and every other dtype have one path each).
+/// Megatron-LM's `--attention-backend` names: `fused` is cuDNN's fused attention (the `cudnn`
+/// build feature), `flash` vime's own FlashAttention-2 kernel (`cuda/flash_attn.cu`), `auto`
+/// cuDNN where the build has it and it accepts the shape, else flash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionBackend {
+    Auto,
+    Fused,
+    Flash,
+}
+
+impl std::str::FromStr for AttentionBackend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "fused" | "cudnn" => Ok(Self::Fused),
+            "flash" => Ok(Self::Flash),
+            other => Err(format!(
+                "unknown attention backend {other:?} (expected auto, fused (cuDNN) or flash)"
+            )),
+        }
+    }
+}
+
+static BACKEND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static DETERMINISTIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Selects the attention kernel for the whole process (see [`AttentionBackend`]). `Fused` in a
+/// build without the `cudnn` feature is an error here rather than at the first forward.
+pub fn set_attention_backend(b: AttentionBackend) -> Result<()> {
+    if b == AttentionBackend::Fused && !cfg!(feature = "cudnn") {
+        bail!("--attention-backend fused needs a build with the cudnn feature (cargo build --features cudnn)");
+    }
+    let v = match b {
+        AttentionBackend::Auto => 0,
+        AttentionBackend::Fused => 1,
+        AttentionBackend::Flash => 2,
+    };
+    BACKEND.store(v, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+pub fn attention_backend() -> AttentionBackend {
+    match BACKEND.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => AttentionBackend::Fused,
+        2 => AttentionBackend::Flash,
+        _ => AttentionBackend::Auto,
+    }
+}
+
+/// Asks for a run-to-run bitwise-reproducible attention backward where the backend has a choice
+/// (cuDNN's deterministic dQ accumulation; the flash kernel's dQ uses f32 atomics either way, and
+/// the CPU kernel is always deterministic).
+pub fn set_deterministic_attention(on: bool) {
+    DETERMINISTIC.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub fn deterministic_attention() -> bool {
+    DETERMINISTIC.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The kernel bf16 attention on CUDA runs now: `"cudnn"` or `"flash"` (also after `auto` fell
+/// back from a cuDNN failure).
+pub fn cuda_attention_kernel() -> &'static str {
+    #[cfg(feature = "cudnn")]
+    if attention_backend() != AttentionBackend::Flash && !crate::cuda::cudnn_off() {
+        return "cudnn";
+    }
+    "flash"
+}
+
 /// Causal attention over packed sequences (see the module docs), with backward.
 ///
 /// `q: [Tq, n_heads, head_dim]`, `k, v: [Tk, n_kv_heads, head_dim]`, `cu_seqlens_q` / `cu_seqlens_k`

@@ -641,9 +641,53 @@ const FLASH_BWD_BLOCK_N: usize = 64;
 const FLASH_BWD_THREADS: u32 = 128;
 const FLASH_BWD_SMEM: u32 = 107_520;
 
-/// The forward's log-sum-exp (`[H, Tq]` f32), kept by the op for its backward.
+/// The forward's softmax statistics, kept by the op for its backward: the flash kernel's
+/// log-sum-exp (`[H, Tq]` f32), or cuDNN's (`[Tq, H]` f32) when `.1` (the backward must then run
+/// on cuDNN too).
 #[derive(Default)]
-pub(crate) struct SavedLse(Mutex<Option<CudaSlice<f32>>>);
+pub(crate) struct SavedLse(Mutex<Option<(CudaSlice<f32>, bool)>>);
+
+/// The cuDNN plan for this call if the attention backend asks for cuDNN and the shape fits it;
+/// `None` runs the flash kernel. `--attention-backend fused` turns a refusal into an error,
+/// `auto` reports it once and runs flash.
+#[cfg(feature = "cudnn")]
+fn cudnn_plan(cu_q: &[u32], cu_k: &[u32], h: usize, hkv: usize, d: usize) -> Result<Option<crate::cudnn::Plan>> {
+    use crate::attention::{attention_backend, AttentionBackend};
+    let backend = attention_backend();
+    if backend == AttentionBackend::Flash || CUDNN_OFF.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(None);
+    }
+    match crate::cudnn::Plan::new(cu_q, cu_k, h, hkv, d) {
+        Ok(p) => Ok(Some(p)),
+        Err(crate::cudnn::Unsupported(why)) if backend == AttentionBackend::Fused => {
+            bail!("varlen_attention: --attention-backend fused (cuDNN) cannot run this call: {why}")
+        }
+        Err(_) => Ok(None),
+    }
+}
+
+/// Set once cuDNN failed under `auto`: every later call runs the flash kernel.
+#[cfg(feature = "cudnn")]
+static CUDNN_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[cfg(feature = "cudnn")]
+pub(crate) fn cudnn_off() -> bool {
+    CUDNN_OFF.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A cuDNN failure under `auto` (the library missing, a graph it refuses): reported once, then
+/// the flash kernel takes over. Under `fused` it is the caller's error.
+#[cfg(feature = "cudnn")]
+fn cudnn_failed(e: candle_core::Error) -> Result<()> {
+    use crate::attention::{attention_backend, AttentionBackend};
+    if attention_backend() == AttentionBackend::Fused {
+        return Err(e);
+    }
+    if !CUDNN_OFF.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!("vime: cuDNN attention unavailable, using the flash kernel from now on ({e})");
+    }
+    Ok(())
+}
 
 impl std::fmt::Debug for SavedLse {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -694,6 +738,26 @@ pub(crate) fn flash_fwd(
     let hkv = lk.dims()[1];
     let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
     let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
+    #[cfg(feature = "cudnn")]
+    if tq > 0 {
+        if let Some(plan) = cudnn_plan(cu_q, cu_k, h, hkv, _d)? {
+            let ptrs = crate::cudnn::Ptrs {
+                q: addr::<bf16>(q, lq, "varlen_attention")?,
+                k: addr::<bf16>(k, lk, "varlen_attention")?,
+                v: addr::<bf16>(v, lv, "varlen_attention")?,
+                o: slice_addr(&out, dev),
+                stats: slice_addr(&lse, dev),
+                ..Default::default()
+            };
+            match crate::cudnn::run(dev, &plan, false, false, scale, &ptrs) {
+                Ok(()) => {
+                    *saved.0.lock().unwrap() = Some((lse, true));
+                    return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()));
+                }
+                Err(e) => cudnn_failed(e)?,
+            }
+        }
+    }
     let g = seq_grid(cu_q, cu_k);
     if tq > 0 && g.max_lq > 0 {
         let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
@@ -723,7 +787,7 @@ pub(crate) fn flash_fwd(
             [&qp, &kp, &vp, &op, &lp, &cqp, &ckp, &tq_i, &h_i, &hkv_i, &scale_f]
         );
     }
-    *saved.0.lock().unwrap() = Some(lse);
+    *saved.0.lock().unwrap() = Some((lse, false));
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
 }
 
@@ -754,10 +818,38 @@ pub(crate) fn flash_bwd(
     let packed = dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?;
     let g = seq_grid(cu_q, cu_k);
     let guard = saved.0.lock().unwrap();
-    let Some(lse) = guard.as_ref() else {
+    let Some((lse, on_cudnn)) = guard.as_ref() else {
         bail!("varlen_attention backward: no saved log-sum-exp (the forward did not run on CUDA)");
     };
-    if tq > 0 && tk > 0 {
+    if *on_cudnn && tq > 0 {
+        #[cfg(feature = "cudnn")]
+        {
+            let plan = crate::cudnn::Plan::new(cu_q, cu_k, h, hkv, d)
+                .map_err(|e| candle_core::Error::Msg(format!("varlen_attention backward: {}", e.0)))?;
+            let dqp = slice_addr(&packed, dev);
+            let ptrs = crate::cudnn::Ptrs {
+                q: addr::<bf16>(q, lq, "varlen_attention backward")?,
+                k: addr::<bf16>(k, lk, "varlen_attention backward")?,
+                v: addr::<bf16>(v, lv, "varlen_attention backward")?,
+                o: tensor_addr::<bf16>(out, "varlen_attention backward (output)")?,
+                stats: slice_addr(lse, dev),
+                dout: tensor_addr::<bf16>(dout, "varlen_attention backward (output gradient)")?,
+                dq: dqp,
+                dk: dqp + (nq * 2) as u64,
+                dv: dqp + ((nq + nk) * 2) as u64,
+            };
+            crate::cudnn::run(
+                dev,
+                &plan,
+                true,
+                crate::attention::deterministic_attention(),
+                scale,
+                &ptrs,
+            )?;
+        }
+        #[cfg(not(feature = "cudnn"))]
+        bail!("varlen_attention backward: the forward ran on cuDNN, which this build lacks");
+    } else if tq > 0 && tk > 0 {
         let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
         let (qp, kp, vp) = (
             addr::<bf16>(q, lq, "varlen_attention backward")?,

@@ -21,6 +21,8 @@ pub mod attention;
 pub mod composed;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cudnn")]
+mod cudnn;
 pub mod embedding;
 pub mod lm_head;
 pub mod real;
@@ -30,7 +32,10 @@ pub mod swiglu;
 pub mod testing;
 pub mod vjp;
 
-pub use attention::{varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved};
+pub use attention::{
+    attention_backend, cuda_attention_kernel, deterministic_attention, set_attention_backend, set_deterministic_attention, varlen_attention,
+    varlen_attention_backward, varlen_attention_saved, AttentionBackend, AttentionSaved,
+};
 pub use embedding::embedding_backward;
 pub use lm_head::{logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, LmHeadSaved, IGNORE_TARGET};
 pub use real::Real;

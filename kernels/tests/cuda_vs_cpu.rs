@@ -14,6 +14,15 @@ use std::time::Instant;
 use vime_kernels::testing::{autograd_grads, rel_err, weighted_sum, Rng};
 
 const TOL: f64 = 1e-2;
+
+/// The attention kernels this build has: vime's flash kernel, and cuDNN's with the cudnn feature.
+fn attention_backends() -> Vec<(vime_kernels::AttentionBackend, &'static str)> {
+    let mut v = vec![(vime_kernels::AttentionBackend::Flash, "flash")];
+    if cfg!(feature = "cudnn") {
+        v.push((vime_kernels::AttentionBackend::Fused, "cudnn"));
+    }
+    v
+}
 type Op<'a> = &'a dyn Fn(&[Tensor]) -> Result<Tensor>;
 
 fn check(name: &str, op: Op, inputs_cpu: &[Tensor], gpu: &Device, failures: &mut Vec<String>) -> Result<()> {
@@ -104,18 +113,16 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
         &mut failures,
     )?;
 
-    let q = rng.randn(&[t, 32, 128], 1.0, bf, &Device::Cpu)?;
-    let k = rng.randn(&[t, 8, 128], 1.0, bf, &Device::Cpu)?;
-    let v = rng.randn(&[t, 8, 128], 1.0, bf, &Device::Cpu)?;
     let scale = 1.0 / (128f64).sqrt();
-    let c = cu.clone();
-    check(
-        "varlen_attention",
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
-        &[q, k, v],
-        &gpu,
-        &mut failures,
-    )?;
+    let mut checks = 9;
+    for (backend, tag) in attention_backends() {
+        vime_kernels::set_attention_backend(backend)?;
+        check_attention(tag, &cu, scale, &gpu, &mut rng, &mut failures)?;
+        checks += 3;
+    }
+    vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
+    #[cfg(feature = "cudnn")]
+    check_cudnn_determinism(&gpu, &mut rng, &mut failures)?;
 
     let th = 256usize;
     let h = rng.randn(&[th, 2560], 1.0, bf, &Device::Cpu)?;
@@ -131,41 +138,6 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
             Tensor::cat(&[lp, ent], 0)
         },
         &[h, lm],
-        &gpu,
-        &mut failures,
-    )?;
-
-    // Attention with Lk > Lq (a KV-cache prefill continuation and one-token decoding), lengths
-    // that are not multiples of the kernel's tiles, and an empty query sequence.
-    let (lq, lk) = ([1u32, 100, 37, 0, 257], [300u32, 100, 200, 3, 257]);
-    let cum = |l: &[u32]| -> Arc<[u32]> {
-        let mut c = vec![0u32];
-        for &x in l {
-            c.push(c.last().unwrap() + x);
-        }
-        c.into()
-    };
-    let (cq, ck) = (cum(&lq), cum(&lk));
-    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
-    let q = rng.randn(&[tq, 32, 128], 1.0, bf, &Device::Cpu)?;
-    let k = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
-    let v = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
-    check(
-        "varlen_attention (Lk>Lq)",
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale),
-        &[q, k, v],
-        &gpu,
-        &mut failures,
-    )?;
-    // Qwen3-0.6B's GQA ratio (16 / 8) on one long sequence.
-    let c1: Arc<[u32]> = vec![0u32, 1500].into();
-    let q = rng.randn(&[1500, 16, 128], 1.0, bf, &Device::Cpu)?;
-    let k = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
-    let v = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
-    check(
-        "varlen_attention (16/8)",
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c1, &c1, scale),
-        &[q, k, v],
         &gpu,
         &mut failures,
     )?;
@@ -193,9 +165,103 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
         if failures.is_empty() { "PASS" } else { "FAIL" },
-        12
+        checks
     );
     assert!(failures.is_empty(), "{failures:?}");
+    Ok(())
+}
+
+/// The attention checks on one backend (`tag` names it in the output): packed causal sequences at
+/// Qwen3-4B's GQA (32 / 8), Lk > Lq with lengths off the kernels' tiles and an empty query
+/// sequence, and Qwen3-0.6B's GQA (16 / 8) on one long sequence.
+fn check_attention(
+    tag: &str,
+    cu: &Arc<[u32]>,
+    scale: f64,
+    gpu: &Device,
+    rng: &mut Rng,
+    failures: &mut Vec<String>,
+) -> Result<()> {
+    let bf = DType::BF16;
+    let t = *cu.last().unwrap() as usize;
+    let q = rng.randn(&[t, 32, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[t, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[t, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let c = cu.clone();
+    check(
+        &format!("varlen_attention [{tag}]"),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
+        &[q, k, v],
+        gpu,
+        failures,
+    )?;
+    // Attention with Lk > Lq (a KV-cache prefill continuation and one-token decoding), lengths
+    // that are not multiples of the kernel's tiles, and an empty query sequence.
+    let (lq, lk) = ([1u32, 100, 37, 0, 257], [300u32, 100, 200, 3, 257]);
+    let cum = |l: &[u32]| -> Arc<[u32]> {
+        let mut c = vec![0u32];
+        for &x in l {
+            c.push(c.last().unwrap() + x);
+        }
+        c.into()
+    };
+    let (cq, ck) = (cum(&lq), cum(&lk));
+    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+    let q = rng.randn(&[tq, 32, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
+    check(
+        &format!("varlen_attention Lk>Lq [{tag}]"),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale),
+        &[q, k, v],
+        gpu,
+        failures,
+    )?;
+    // Qwen3-0.6B's GQA ratio (16 / 8) on one long sequence.
+    let c1: Arc<[u32]> = vec![0u32, 1500].into();
+    let q = rng.randn(&[1500, 16, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
+    check(
+        &format!("varlen_attention 16/8 [{tag}]"),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c1, &c1, scale),
+        &[q, k, v],
+        gpu,
+        failures,
+    )?;
+
+    Ok(())
+}
+
+/// cuDNN's attention backward with `--deterministic-mode`: two runs on the same inputs agree
+/// bit for bit (the default, atomics-based dQ need not, and its difference is printed).
+#[cfg(feature = "cudnn")]
+fn check_cudnn_determinism(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let bf = DType::BF16;
+    let cu: Arc<[u32]> = vec![0u32, 4096, 8192].into();
+    let q = rng.randn(&[8192, 32, 128], 1.0, bf, gpu)?;
+    let k = rng.randn(&[8192, 8, 128], 1.0, bf, gpu)?;
+    let v = rng.randn(&[8192, 8, 128], 1.0, bf, gpu)?;
+    let dout = rng.randn(&[8192, 32, 128], 1.0, bf, gpu)?;
+    vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Fused)?;
+    let grads = || -> Result<Vec<f32>> {
+        let (o, saved) = vime_kernels::varlen_attention_saved(&q, &k, &v, &cu, &cu, 1.0 / (128f64).sqrt())?;
+        let (dq, dk, dv) = vime_kernels::varlen_attention_backward(&saved, &q, &k, &v, &o, &dout)?;
+        let all = Tensor::cat(&[dq.flatten_all()?, dk.flatten_all()?, dv.flatten_all()?], 0)?;
+        all.to_dtype(DType::F32)?.to_vec1::<f32>()
+    };
+    let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    for det in [false, true] {
+        vime_kernels::set_deterministic_attention(det);
+        let (a, b) = (grads()?, grads()?);
+        let d = max_diff(&a, &b);
+        println!("cudnn attention backward, deterministic {det}: max |run1 - run2| = {d:e}");
+        if det && d != 0.0 {
+            failures.push(format!("cudnn deterministic backward differs between runs by {d:e}"));
+        }
+    }
+    vime_kernels::set_deterministic_attention(false);
+    vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
     Ok(())
 }
 
@@ -382,14 +448,18 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         let k = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
         let v = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
         let scale = 1.0 / (128f64).sqrt();
-        let c = cu.clone();
-        time_op(
-            "attention",
-            &format!("{seqs}x{len}_h32_kv8_d128"),
-            &gpu,
-            &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
-            &[q, k, v],
-        )?;
+        for (backend, tag) in attention_backends() {
+            vime_kernels::set_attention_backend(backend)?;
+            let c = cu.clone();
+            time_op(
+                &format!("attention[{tag}]"),
+                &format!("{seqs}x{len}_h32_kv8_d128"),
+                &gpu,
+                &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
+                &[q.clone(), k.clone(), v.clone()],
+            )?;
+        }
+        vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
     }
     let h = rng.randn(&[t, 2560], 1.0, bf, &gpu)?;
     let lm = rng.randn(&[151936, 2560], 0.02, bf, &gpu)?;

@@ -19,6 +19,8 @@
 #   MB_VIME MB_MEGATRON MB_HF MB_HF_COMPILE: sequences per micro-batch (default 2, and 1 for
 #     hf-compile, as in the anchors); each system runs TOKENS_PER_STEP / (MB * seq)
 #     micro-batches per step (must divide exactly).
+#   VIME_FLAGS="": extra bench-step flags for vime, e.g. "--attention-backend flash" (vime's own
+#     attention kernel instead of cuDNN's in a cudnn build).
 # The recorded runs (benches/results/2026-11-30-bench-train-h200-*.md) used
 #   MODELS=qwen3-4b RECOMPUTES=none TIMEOUT=170 scripts/gpu/bench_train.sh $OUT/bench
 # so that one call fits the device tool's 10-minute limit (torch.compile alone warms up ~2 min).
@@ -39,6 +41,7 @@ WARMUP=${WARMUP:-3}
 TIMEOUT=${TIMEOUT:-480}
 TOKENS_PER_STEP=${TOKENS_PER_STEP:-8192}
 MB_VIME=${MB_VIME:-2}
+VIME_FLAGS=${VIME_FLAGS:-}
 MB_MEGATRON=${MB_MEGATRON:-2}
 MB_HF=${MB_HF:-2}
 MB_HF_COMPILE=${MB_HF_COMPILE:-1}
@@ -53,7 +56,7 @@ LOG="$OUT/bench_train.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: MODELS=\"$MODELS\" SEQS=\"$SEQS\" RECOMPUTES=\"$RECOMPUTES\" SYSTEMS=\"$SYSTEMS\" STEPS=$STEPS WARMUP=$WARMUP TOKENS_PER_STEP=$TOKENS_PER_STEP MB_VIME=$MB_VIME MB_MEGATRON=$MB_MEGATRON MB_HF=$MB_HF MB_HF_COMPILE=$MB_HF_COMPILE TIMEOUT=$TIMEOUT scripts/gpu/bench_train.sh $*"
+  echo "command: MODELS=\"$MODELS\" SEQS=\"$SEQS\" RECOMPUTES=\"$RECOMPUTES\" SYSTEMS=\"$SYSTEMS\" STEPS=$STEPS WARMUP=$WARMUP TOKENS_PER_STEP=$TOKENS_PER_STEP MB_VIME=$MB_VIME MB_MEGATRON=$MB_MEGATRON MB_HF=$MB_HF MB_HF_COMPILE=$MB_HF_COMPILE VIME_FLAGS=\"$VIME_FLAGS\" TIMEOUT=$TIMEOUT scripts/gpu/bench_train.sh $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' 2>&1
 } | tee -a "$LOG"
@@ -94,7 +97,7 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
           json="$RESULTS_DIR/$key.json"
           if [ "$sys" = vime ]; then
             cmd=("$BIN" bench-step --model "$model" --seq-len "$seq" --max-tokens-per-gpu $(( mb * seq ))
-                 --micro-batches "$k" --recompute "$rec" --steps "$STEPS" --warmup "$WARMUP" --json "$json")
+                 --micro-batches "$k" --recompute "$rec" --steps "$STEPS" --warmup "$WARMUP" --json "$json" $VIME_FLAGS)
           else
             cmd=($PY scripts/gpu/bench_train_torch.py --system "$sys" --model "$model" --seq-len "$seq"
                  --micro-batch "$mb" --grad-accum "$k" --recompute "$rec" --steps "$STEPS"

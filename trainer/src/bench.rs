@@ -72,6 +72,14 @@ pub struct BenchArgs {
     /// difference of all gradients, ||explicit - autograd|| / ||autograd||, with a verdict.
     #[arg(long)]
     pub compare_backward: bool,
+    /// Megatron's flag: the CUDA attention kernel, auto (cuDNN fused attention in a build with
+    /// the cudnn feature, else vime's flash kernel), fused (cuDNN) or flash.
+    #[arg(long, default_value = "auto")]
+    pub attention_backend: String,
+    /// Megatron's flag: run-to-run bitwise-reproducible kernels where a backend offers the choice
+    /// (cuDNN's attention backward).
+    #[arg(long)]
+    pub deterministic_mode: bool,
 }
 
 /// Bound of `--compare-backward`: two bf16 computations of the same gradients that differ only
@@ -234,6 +242,7 @@ fn compare_backward(
 }
 
 pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
+    crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -338,6 +347,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "params": n_params,
         "dtype": args.dtype,
         "recompute": args.recompute,
+        "attention": if device.is_cuda() { vime_kernels::cuda_attention_kernel() } else { "cpu" },
+        "deterministic_mode": args.deterministic_mode,
         "seq_len": args.seq_len,
         "tokens_per_micro_batch": args.max_tokens_per_gpu,
         "micro_batches": args.micro_batches,
@@ -354,11 +365,12 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "final_loss": last_loss,
     });
     println!(
-        "RESULT vime {} seq {} tokens/step {} recompute {}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
+        "RESULT vime {} seq {} tokens/step {} recompute {} attention {}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
         args.model,
         args.seq_len,
         tokens_per_step,
         args.recompute,
+        out["attention"].as_str().unwrap_or("?"),
         step,
         fb,
         optim,
@@ -422,6 +434,8 @@ mod tests {
             layers: None,
             // f32 on the CPU: the two backwards agree to ~1e-7, far inside the bound.
             compare_backward: true,
+            attention_backend: "auto".into(),
+            deterministic_mode: false,
         };
         let out = run(&args).unwrap();
         // embedding + 2 x (q, k, v, o, gate/up/down, two norms of 32, q/k norms of 8) + final norm
@@ -456,6 +470,8 @@ mod tests {
             backward: "explicit".into(),
             layers: None,
             compare_backward: false,
+            attention_backend: "auto".into(),
+            deterministic_mode: false,
         };
         let err = |a: BenchArgs| format!("{:#}", run(&a).unwrap_err());
         let e = err(BenchArgs {

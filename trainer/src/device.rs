@@ -36,3 +36,13 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
         other => bail!("unknown dtype {other:?} (expected f32, bf16 or f16)"),
     }
 }
+
+/// Applies `--attention-backend` and `--deterministic-mode` (process-wide kernel settings).
+pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Result<()> {
+    let b: vime_kernels::AttentionBackend = attention_backend
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--attention-backend: {e}"))?;
+    vime_kernels::set_attention_backend(b)?;
+    vime_kernels::set_deterministic_attention(deterministic);
+    Ok(())
+}

@@ -46,6 +46,14 @@ pub struct TrainArgs {
     /// vime: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Megatron's flag: the CUDA attention kernel, auto (cuDNN fused attention in a build with
+    /// the cudnn feature, else vime's flash kernel), fused (cuDNN) or flash.
+    #[arg(long, default_value = "auto")]
+    pub attention_backend: String,
+    /// Megatron's flag: run-to-run bitwise-reproducible kernels where a backend offers the choice
+    /// (cuDNN's attention backward).
+    #[arg(long)]
+    pub deterministic_mode: bool,
     /// Megatron's seed: rollout sampling, eval sampling and the critic head's init derive from it.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,

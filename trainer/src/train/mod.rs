@@ -125,6 +125,7 @@ fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
 
 impl<'a> Run<'a> {
     fn setup(args: &'a TrainArgs) -> Result<Self> {
+        crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
         let device = parse_device(&args.device)?;
         let dtype = parse_dtype(&args.dtype)?;
         let ui = Ui::new(args.no_progress);

@@ -1,0 +1,295 @@
+// cuDNN fused attention (SDPA) for vime's packed variable-length causal attention: the host side
+// that builds, caches and runs cuDNN graphs through the cuDNN frontend (header-only C++, MIT;
+// built with NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING, so libcudnn and libcudart are dlopen'ed at
+// first use and the binary links neither).
+//
+// Layout (cuDNN's "THD" packed layout, every tensor ragged over the token axis):
+//   q, o, dq, do: [T_q, H_q, D] contiguous  -> dims [B, H_q, S_q, D], strides [S_q*H_q*D, D, H_q*D, 1]
+//   k, v, dk, dv: [T_k, H_k, D] contiguous  -> dims [B, H_k, S_k, D], strides [S_k*H_k*D, D, H_k*D, 1]
+//   stats (log-sum-exp of the scaled scores, f32): [T_q, H_q] -> dims [B, H_q, S_q, 1],
+//       strides [S_q*H_q, 1, H_q, 1]
+// with ragged offsets (in elements) cu_q[b]*H_q*D, cu_k[b]*H_k*D and cu_q[b]*H_q, and per-sequence
+// lengths seq_len_q / seq_len_kv for the padding mask. S_q / S_k are upper bounds of the longest
+// sequence (the caller rounds them up so one graph serves many batches). The causal mask is
+// bottom-right aligned, which for equal lengths is ordinary causal attention and for L_k > L_q
+// puts the queries at the end of their keys (vime's varlen convention).
+//
+// One graph per (direction, shape, scale, determinism, device), built once and cached; the
+// caller owns every buffer, including the workspace, whose size it asks for first.
+#include <cudnn_frontend.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+
+namespace fe = cudnn_frontend;
+
+// The frontend's dynamic-loading mode resolves every cuDNN symbol through this handle, which the
+// application opens (see load_cudnn).
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}
+
+extern "C" {
+// Mirrors `SdpaArgs` in kernels/src/cudnn.rs.
+struct VimeSdpaArgs {
+    int32_t backward;       // 0: forward (o, stats), 1: backward (dq, dk, dv)
+    int32_t deterministic;  // backward only
+    int32_t device;         // CUDA ordinal (graph and handle cache key)
+    int32_t _pad;
+    int64_t b, s_q, s_k, h_q, h_k, d, t_q, t_k;
+    float scale;
+    float _pad2;
+    void* stream;
+    void *q, *k, *v, *o, *stats, *dout, *dq, *dk, *dv;
+    void *seq_len_q, *seq_len_k;           // int32 [b]
+    void *off_q, *off_k, *off_stats;       // int32 [b + 1], in elements
+    void* workspace;
+    int64_t workspace_bytes;
+};
+}
+
+namespace {
+
+enum Uid : int64_t {
+    Q = 1, K, V, O, STATS, DO, DQ, DK, DV, SEQ_Q, SEQ_K, OFF_Q, OFF_K, OFF_STATS
+};
+
+using Key = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t>;
+
+struct Entry {
+    std::shared_ptr<fe::graph::Graph> graph;
+    int64_t workspace = 0;
+};
+
+std::mutex g_mutex;
+std::map<Key, Entry> g_graphs;
+std::map<int, cudnnHandle_t> g_handles;
+
+void set_err(char* err, size_t n, const std::string& msg) {
+    if (err && n) {
+        std::strncpy(err, msg.c_str(), n - 1);
+        err[n - 1] = 0;
+    }
+}
+
+Key key_of(const VimeSdpaArgs& a) {
+    uint32_t scale_bits;
+    std::memcpy(&scale_bits, &a.scale, 4);
+    return Key{a.backward, a.backward ? a.deterministic : 0, a.device, a.b, a.s_q, a.s_k, a.h_q, a.h_k, a.d,
+               a.t_q, a.t_k, scale_bits};
+}
+
+std::shared_ptr<fe::graph::Tensor_attributes> index_tensor(fe::graph::Graph& g, const char* name, int64_t uid,
+                                                           int64_t n) {
+    return g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid)
+                        .set_dim({n, 1, 1, 1})
+                        .set_stride({1, 1, 1, 1})
+                        .set_data_type(fe::DataType_t::INT32));
+}
+
+// A ragged [B, H, S, D] view of a packed [T, H, D] tensor.
+fe::graph::Tensor_attributes thd(const char* name, int64_t uid, int64_t b, int64_t h, int64_t s, int64_t d,
+                                 std::shared_ptr<fe::graph::Tensor_attributes> off) {
+    return fe::graph::Tensor_attributes()
+        .set_name(name)
+        .set_uid(uid)
+        .set_dim({b, h, s, d})
+        .set_stride({s * h * d, d, h * d, 1})
+        .set_ragged_offset(off);
+}
+
+void set_thd(const std::shared_ptr<fe::graph::Tensor_attributes>& t, const char* name, int64_t uid, int64_t b,
+             int64_t h, int64_t s, int64_t d, std::shared_ptr<fe::graph::Tensor_attributes> off) {
+    t->set_output(true)
+        .set_name(name)
+        .set_uid(uid)
+        .set_dim({b, h, s, d})
+        .set_stride({s * h * d, d, h * d, 1})
+        .set_ragged_offset(off);
+}
+
+void set_stats(const std::shared_ptr<fe::graph::Tensor_attributes>& t, int64_t b, int64_t h, int64_t s,
+               std::shared_ptr<fe::graph::Tensor_attributes> off) {
+    t->set_name("stats")
+        .set_uid(STATS)
+        .set_dim({b, h, s, 1})
+        .set_stride({s * h, 1, h, 1})
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_ragged_offset(off);
+}
+
+std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
+    auto g = std::make_shared<fe::graph::Graph>();
+    g->set_io_data_type(fe::DataType_t::BFLOAT16)
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    auto off_q = index_tensor(*g, "off_q", OFF_Q, a.b + 1);
+    auto off_k = index_tensor(*g, "off_k", OFF_K, a.b + 1);
+    auto off_s = index_tensor(*g, "off_stats", OFF_STATS, a.b + 1);
+    auto seq_q = index_tensor(*g, "seq_len_q", SEQ_Q, a.b);
+    auto seq_k = index_tensor(*g, "seq_len_k", SEQ_K, a.b);
+    auto q = g->tensor(thd("q", Q, a.b, a.h_q, a.s_q, a.d, off_q));
+    auto k = g->tensor(thd("k", K, a.b, a.h_k, a.s_k, a.d, off_k));
+    auto v = g->tensor(thd("v", V, a.b, a.h_k, a.s_k, a.d, off_k));
+    if (!a.backward) {
+        auto opts = fe::graph::SDPA_attributes()
+                        .set_name("vime_sdpa")
+                        .set_generate_stats(true)
+                        .set_attn_scale(a.scale)
+                        .set_padding_mask(true)
+                        .set_seq_len_q(seq_q)
+                        .set_seq_len_kv(seq_k)
+                        .set_causal_mask_bottom_right(true)
+                        .set_max_total_seq_len_q(a.t_q)
+                        .set_max_total_seq_len_kv(a.t_k);
+        auto [o, stats] = g->sdpa(q, k, v, opts);
+        set_thd(o, "o", O, a.b, a.h_q, a.s_q, a.d, off_q);
+        stats->set_output(true);
+        set_stats(stats, a.b, a.h_q, a.s_q, off_s);
+    } else {
+        auto o = g->tensor(thd("o", O, a.b, a.h_q, a.s_q, a.d, off_q));
+        auto dout = g->tensor(thd("dout", DO, a.b, a.h_q, a.s_q, a.d, off_q));
+        auto stats = g->tensor(fe::graph::Tensor_attributes());
+        set_stats(stats, a.b, a.h_q, a.s_q, off_s);
+        auto opts = fe::graph::SDPA_backward_attributes()
+                        .set_name("vime_sdpa_backward")
+                        .set_attn_scale(a.scale)
+                        .set_padding_mask(true)
+                        .set_seq_len_q(seq_q)
+                        .set_seq_len_kv(seq_k)
+                        .set_causal_mask_bottom_right(true)
+                        .set_max_total_seq_len_q(a.t_q)
+                        .set_max_total_seq_len_kv(a.t_k)
+                        .set_deterministic_algorithm(a.deterministic != 0);
+        auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, opts);
+        set_thd(dq, "dq", DQ, a.b, a.h_q, a.s_q, a.d, off_q);
+        set_thd(dk, "dk", DK, a.b, a.h_k, a.s_k, a.d, off_k);
+        set_thd(dv, "dv", DV, a.b, a.h_k, a.s_k, a.d, off_k);
+    }
+    fe::error_t st = g->validate();
+    if (st.is_good()) st = g->build_operation_graph(handle);
+    if (st.is_good()) st = g->create_execution_plans({fe::HeurMode_t::A});
+    if (st.is_good()) st = g->check_support(handle);
+    if (st.is_good()) st = g->build_plans(handle);
+    if (!st.is_good()) return st.get_message().empty() ? std::string("cuDNN graph build failed") : st.get_message();
+    int64_t ws = 0;
+    st = g->get_workspace_size(ws);
+    if (!st.is_good()) return st.get_message();
+    out.graph = g;
+    out.workspace = ws;
+    return "";
+}
+
+// Opens libcudnn once ($VIME_CUDNN_LIB, default libcudnn.so.9 on the loader's path).
+bool load_cudnn(char* err, size_t n) {
+    if (fe::cudnn_dlhandle) return true;
+    const char* env = std::getenv("VIME_CUDNN_LIB");
+    const char* lib = (env && *env) ? env : "libcudnn.so.9";
+    fe::cudnn_dlhandle = dlopen(lib, RTLD_NOW | RTLD_GLOBAL);
+    if (!fe::cudnn_dlhandle) {
+        const char* why = dlerror();
+        set_err(err, n, std::string("cannot load ") + lib + " (cuDNN 9; put its lib/ folder on LD_LIBRARY_PATH or set VIME_CUDNN_LIB): " +
+                            (why ? why : "unknown dlopen error"));
+        return false;
+    }
+    return true;
+}
+
+// The cached graph for `a` (built on first use); null with `err` set on failure.
+Entry* entry_for(const VimeSdpaArgs& a, cudnnHandle_t* handle_out, char* err, size_t n) {
+    if (!load_cudnn(err, n)) return nullptr;
+    auto h = g_handles.find(a.device);
+    if (h == g_handles.end()) {
+        cudnnHandle_t handle = nullptr;
+        cudnnStatus_t s = fe::detail::create_handle(&handle);
+        if (s != CUDNN_STATUS_SUCCESS) {
+            set_err(err, n, std::string("cudnnCreate failed: ") + fe::detail::get_error_string(s));
+            return nullptr;
+        }
+        h = g_handles.emplace(a.device, handle).first;
+    }
+    *handle_out = h->second;
+    auto key = key_of(a);
+    auto it = g_graphs.find(key);
+    if (it == g_graphs.end()) {
+        Entry e;
+        std::string msg = build(a, h->second, e);
+        if (!msg.empty()) {
+            set_err(err, n, msg);
+            return nullptr;
+        }
+        it = g_graphs.emplace(key, e).first;
+    }
+    return &it->second;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Builds (or finds) the graph for `a` and reports its workspace size. 0 on success.
+int vime_cudnn_sdpa_workspace(const VimeSdpaArgs* a, int64_t* bytes, char* err, size_t n) {
+    try {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        cudnnHandle_t handle;
+        Entry* e = entry_for(*a, &handle, err, n);
+        if (!e) return 1;
+        *bytes = e->workspace;
+        return 0;
+    } catch (const std::exception& ex) {
+        set_err(err, n, ex.what());
+        return 2;
+    }
+}
+
+// Runs the graph for `a` on `a->stream` (asynchronously). 0 on success.
+int vime_cudnn_sdpa_run(const VimeSdpaArgs* a, char* err, size_t n) {
+    try {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        cudnnHandle_t handle;
+        Entry* e = entry_for(*a, &handle, err, n);
+        if (!e) return 1;
+        if (a->workspace_bytes < e->workspace) {
+            set_err(err, n, "workspace of " + std::to_string(a->workspace_bytes) + " bytes, the graph needs " +
+                                std::to_string(e->workspace));
+            return 3;
+        }
+        cudnnStatus_t s = fe::detail::set_stream(handle, static_cast<cudaStream_t>(a->stream));
+        if (s != CUDNN_STATUS_SUCCESS) {
+            set_err(err, n, std::string("cudnnSetStream failed: ") + fe::detail::get_error_string(s));
+            return 4;
+        }
+        std::unordered_map<int64_t, void*> pack = {
+            {Q, a->q},           {K, a->k},           {V, a->v},         {O, a->o},
+            {STATS, a->stats},   {SEQ_Q, a->seq_len_q}, {SEQ_K, a->seq_len_k}, {OFF_Q, a->off_q},
+            {OFF_K, a->off_k},   {OFF_STATS, a->off_stats},
+        };
+        if (a->backward) {
+            pack[DO] = a->dout;
+            pack[DQ] = a->dq;
+            pack[DK] = a->dk;
+            pack[DV] = a->dv;
+        }
+        fe::error_t st = e->graph->execute(handle, pack, a->workspace);
+        if (!st.is_good()) {
+            set_err(err, n, st.get_message());
+            return 5;
+        }
+        return 0;
+    } catch (const std::exception& ex) {
+        set_err(err, n, ex.what());
+        return 2;
+    }
+}
+
+}  // extern "C"

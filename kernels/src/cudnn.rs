@@ -1,0 +1,244 @@
+//! cuDNN fused attention (the `cudnn` feature): the Rust side of `cudnn/sdpa.cpp`, which builds
+//! and caches cuDNN SDPA graphs through the cuDNN frontend and runs them on candle's stream.
+//!
+//! Same op as [`crate::attention::varlen_attention`]: causal (bottom-right aligned) grouped-query
+//! attention over packed sequences, bf16 in and out, f32 softmax statistics. The packed
+//! `[T, H, D]` tensors are cuDNN "THD" ragged tensors; the caller's `cu_seqlens` become the
+//! ragged offsets and the padding mask's per-sequence lengths.
+//!
+//! Decisions:
+//! - The saved statistics are cuDNN's own (`[T_q, H_q]` f32, natural-log log-sum-exp of the
+//!   scaled scores), not the flash kernel's `[H_q, T_q]`; a forward and its backward always run
+//!   on the same backend, which [`Saved`] records.
+//! - Graph shapes are bucketed so that one graph serves many micro-batches: the longest sequence
+//!   and the token totals round up to a power of two (at least 64). The padding mask holds the
+//!   real lengths, so the extra rows cost only empty thread blocks. The batch (sequence count)
+//!   is exact; empty sequences are dropped first (they contribute nothing).
+//! - Offsets are int32 element counts (`T x H x D` must stay below 2^31); calls beyond that
+//!   report [`Unsupported`] and run the flash kernel.
+//! - libcudnn and libcudart are loaded at first use (dynamic loading in the frontend); a build
+//!   or load failure is returned as an error, and `--attention-backend auto` then falls back to
+//!   the flash kernel once, with a message.
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{bail, Result};
+use std::ffi::{c_char, c_void, CStr};
+
+#[repr(C)]
+struct SdpaArgs {
+    backward: i32,
+    deterministic: i32,
+    device: i32,
+    _pad: i32,
+    b: i64,
+    s_q: i64,
+    s_k: i64,
+    h_q: i64,
+    h_k: i64,
+    d: i64,
+    t_q: i64,
+    t_k: i64,
+    scale: f32,
+    _pad2: f32,
+    stream: *mut c_void,
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    stats: u64,
+    dout: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    seq_len_q: u64,
+    seq_len_k: u64,
+    off_q: u64,
+    off_k: u64,
+    off_stats: u64,
+    workspace: u64,
+    workspace_bytes: i64,
+}
+
+extern "C" {
+    fn vime_cudnn_sdpa_workspace(a: *const SdpaArgs, bytes: *mut i64, err: *mut c_char, n: usize) -> i32;
+    fn vime_cudnn_sdpa_run(a: *const SdpaArgs, err: *mut c_char, n: usize) -> i32;
+}
+
+/// The shape of one call: packed geometry plus the `cu_seqlens` with empty sequences dropped.
+pub(crate) struct Plan {
+    b: usize,
+    s_q: usize,
+    s_k: usize,
+    t_q: usize,
+    t_k: usize,
+    h_q: usize,
+    h_k: usize,
+    d: usize,
+    /// int32 index data uploaded at once: seq_len_q, seq_len_k, off_q, off_k, off_stats, each
+    /// starting at a 16-byte boundary (`seg` elements apart).
+    index: Vec<i32>,
+    seg: usize,
+}
+
+/// Why a call cannot run on cuDNN (it then runs the flash kernel).
+#[derive(Debug)]
+pub(crate) struct Unsupported(pub String);
+
+fn bucket(n: usize) -> usize {
+    n.next_power_of_two().max(64)
+}
+
+impl Plan {
+    pub(crate) fn new(
+        cu_q: &[u32],
+        cu_k: &[u32],
+        h_q: usize,
+        h_k: usize,
+        d: usize,
+    ) -> std::result::Result<Self, Unsupported> {
+        let (t_q, t_k) = (
+            *cu_q.last().unwrap_or(&0) as usize,
+            *cu_k.last().unwrap_or(&0) as usize,
+        );
+        if (t_q * h_q * d) >= (1 << 31) || (t_k * h_k * d) >= (1 << 31) {
+            return Err(Unsupported(format!(
+                "{t_q} x {h_q} x {d} query or {t_k} x {h_k} x {d} key elements exceed cuDNN's int32 offsets"
+            )));
+        }
+        let keep: Vec<usize> = (0..cu_q.len().saturating_sub(1))
+            .filter(|&s| cu_q[s + 1] > cu_q[s])
+            .collect();
+        let b = keep.len();
+        if b == 0 {
+            return Err(Unsupported("no non-empty sequence".into()));
+        }
+        let seg = (b + 1).next_multiple_of(4);
+        let mut index = vec![0i32; 5 * seg];
+        let (mut max_q, mut max_k) = (0usize, 0usize);
+        for (i, &s) in keep.iter().enumerate() {
+            let lq = (cu_q[s + 1] - cu_q[s]) as usize;
+            let lk = (cu_k[s + 1] - cu_k[s]) as usize;
+            max_q = max_q.max(lq);
+            max_k = max_k.max(lk);
+            index[i] = lq as i32;
+            index[seg + i] = lk as i32;
+            index[2 * seg + i] = (cu_q[s] as usize * h_q * d) as i32;
+            index[3 * seg + i] = (cu_k[s] as usize * h_k * d) as i32;
+            index[4 * seg + i] = (cu_q[s] as usize * h_q) as i32;
+        }
+        // The past-the-end offsets: where the last kept sequence ends.
+        let last = keep[b - 1];
+        index[2 * seg + b] = (cu_q[last + 1] as usize * h_q * d) as i32;
+        index[3 * seg + b] = (cu_k[last + 1] as usize * h_k * d) as i32;
+        index[4 * seg + b] = (cu_q[last + 1] as usize * h_q) as i32;
+        Ok(Self {
+            b,
+            s_q: bucket(max_q),
+            s_k: bucket(max_k),
+            t_q: bucket(t_q),
+            t_k: bucket(t_k),
+            h_q,
+            h_k,
+            d,
+            index,
+            seg,
+        })
+    }
+}
+
+/// Device pointers of one call (0 where the direction does not use them).
+#[derive(Default)]
+pub(crate) struct Ptrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub stats: u64,
+    pub dout: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+}
+
+fn message(buf: &[u8]) -> String {
+    CStr::from_bytes_until_nul(buf)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown cuDNN error".into())
+}
+
+/// Runs one direction of the graph for `plan` on the device's stream.
+pub(crate) fn run(
+    dev: &CudaDevice,
+    plan: &Plan,
+    backward: bool,
+    deterministic: bool,
+    scale: f64,
+    p: &Ptrs,
+) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let index: CudaSlice<i32> = stream.clone_htod(&plan.index).w()?;
+    let base = {
+        let (ptr, _sync) = index.device_ptr(&stream);
+        ptr
+    };
+    let at = |i: usize| base + (i * plan.seg * 4) as u64;
+    let mut a = SdpaArgs {
+        backward: backward as i32,
+        deterministic: deterministic as i32,
+        device: stream.context().ordinal() as i32,
+        _pad: 0,
+        b: plan.b as i64,
+        s_q: plan.s_q as i64,
+        s_k: plan.s_k as i64,
+        h_q: plan.h_q as i64,
+        h_k: plan.h_k as i64,
+        d: plan.d as i64,
+        t_q: plan.t_q as i64,
+        t_k: plan.t_k as i64,
+        scale: scale as f32,
+        _pad2: 0.0,
+        stream: stream.cu_stream() as *mut c_void,
+        q: p.q,
+        k: p.k,
+        v: p.v,
+        o: p.o,
+        stats: p.stats,
+        dout: p.dout,
+        dq: p.dq,
+        dk: p.dk,
+        dv: p.dv,
+        seq_len_q: at(0),
+        seq_len_k: at(1),
+        off_q: at(2),
+        off_k: at(3),
+        off_stats: at(4),
+        workspace: 0,
+        workspace_bytes: 0,
+    };
+    let what = if backward { "backward" } else { "forward" };
+    let mut err = vec![0u8; 2048];
+    let mut bytes = 0i64;
+    // The frontend uses the runtime API, which follows the thread's current context.
+    stream.context().bind_to_thread().w()?;
+    let rc = unsafe { vime_cudnn_sdpa_workspace(&a, &mut bytes, err.as_mut_ptr().cast(), err.len()) };
+    if rc != 0 {
+        bail!("cuDNN attention {what}: building the graph failed: {}", message(&err));
+    }
+    let ws: Option<CudaSlice<u8>> = if bytes > 0 {
+        Some(unsafe { dev.alloc::<u8>(bytes as usize) }?)
+    } else {
+        None
+    };
+    if let Some(ws) = &ws {
+        let (ptr, _sync) = ws.device_ptr(&stream);
+        a.workspace = ptr;
+        a.workspace_bytes = bytes;
+    }
+    let rc = unsafe { vime_cudnn_sdpa_run(&a, err.as_mut_ptr().cast(), err.len()) };
+    if rc != 0 {
+        bail!("cuDNN attention {what}: {}", message(&err));
+    }
+    // `index` and `ws` are freed in stream order (candle's pool), after the kernels that read them.
+    drop((index, ws));
+    Ok(())
+}
