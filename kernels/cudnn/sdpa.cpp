@@ -43,10 +43,10 @@ struct VimeSdpaArgs {
     int32_t backward;       // 0: forward (o, stats), 1: backward (dq, dk, dv)
     int32_t deterministic;  // backward only
     int32_t device;         // CUDA ordinal (graph and handle cache key)
-    int32_t _pad;
+    int32_t layout;         // 0: ragged (THD + padding mask), 1: dense (every sequence s_q = s_k long)
     int64_t b, s_q, s_k, h_q, h_k, d, t_q, t_k;
     float scale;
-    float _pad2;
+    int32_t top_left;  // causal mask top-left aligned (every sequence has L_q = L_k), else bottom-right
     void* stream;
     void *q, *k, *v, *o, *stats, *dout, *dq, *dk, *dv;
     void *seq_len_q, *seq_len_k;           // int32 [b]
@@ -62,7 +62,8 @@ enum Uid : int64_t {
     Q = 1, K, V, O, STATS, DO, DQ, DK, DV, SEQ_Q, SEQ_K, OFF_Q, OFF_K, OFF_STATS
 };
 
-using Key = std::tuple<int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t>;
+using Key = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       uint32_t>;
 
 struct Entry {
     std::shared_ptr<fe::graph::Graph> graph;
@@ -83,8 +84,8 @@ void set_err(char* err, size_t n, const std::string& msg) {
 Key key_of(const VimeSdpaArgs& a) {
     uint32_t scale_bits;
     std::memcpy(&scale_bits, &a.scale, 4);
-    return Key{a.backward, a.backward ? a.deterministic : 0, a.device, a.b, a.s_q, a.s_k, a.h_q, a.h_k, a.d,
-               a.t_q, a.t_k, scale_bits};
+    return Key{a.backward, a.backward ? a.deterministic : 0, a.device, a.layout, a.top_left, a.b, a.s_q, a.s_k,
+               a.h_q, a.h_k, a.d, a.t_q, a.t_k, scale_bits};
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> index_tensor(fe::graph::Graph& g, const char* name, int64_t uid,
@@ -98,34 +99,34 @@ std::shared_ptr<fe::graph::Tensor_attributes> index_tensor(fe::graph::Graph& g, 
 }
 
 // A ragged [B, H, S, D] view of a packed [T, H, D] tensor.
+// (Dense layout: `off` null, and the view is exact since every sequence is `s` long.)
 fe::graph::Tensor_attributes thd(const char* name, int64_t uid, int64_t b, int64_t h, int64_t s, int64_t d,
                                  std::shared_ptr<fe::graph::Tensor_attributes> off) {
-    return fe::graph::Tensor_attributes()
-        .set_name(name)
-        .set_uid(uid)
-        .set_dim({b, h, s, d})
-        .set_stride({s * h * d, d, h * d, 1})
-        .set_ragged_offset(off);
+    auto t = fe::graph::Tensor_attributes()
+                 .set_name(name)
+                 .set_uid(uid)
+                 .set_dim({b, h, s, d})
+                 .set_stride({s * h * d, d, h * d, 1});
+    if (off) t.set_ragged_offset(off);
+    return t;
 }
 
 void set_thd(const std::shared_ptr<fe::graph::Tensor_attributes>& t, const char* name, int64_t uid, int64_t b,
              int64_t h, int64_t s, int64_t d, std::shared_ptr<fe::graph::Tensor_attributes> off) {
-    t->set_output(true)
-        .set_name(name)
-        .set_uid(uid)
-        .set_dim({b, h, s, d})
-        .set_stride({s * h * d, d, h * d, 1})
-        .set_ragged_offset(off);
+    t->set_output(true).set_name(name).set_uid(uid).set_dim({b, h, s, d}).set_stride({s * h * d, d, h * d, 1});
+    if (off) t->set_ragged_offset(off);
 }
 
+// Ragged: [T, H] token-major. Dense: packed [B, H, S] (the only non-ragged stats layout whose
+// backward read cuDNN before 9.26 honours).
 void set_stats(const std::shared_ptr<fe::graph::Tensor_attributes>& t, int64_t b, int64_t h, int64_t s,
                std::shared_ptr<fe::graph::Tensor_attributes> off) {
-    t->set_name("stats")
-        .set_uid(STATS)
-        .set_dim({b, h, s, 1})
-        .set_stride({s * h, 1, h, 1})
-        .set_data_type(fe::DataType_t::FLOAT)
-        .set_ragged_offset(off);
+    t->set_name("stats").set_uid(STATS).set_dim({b, h, s, 1}).set_data_type(fe::DataType_t::FLOAT);
+    if (off) {
+        t->set_stride({s * h, 1, h, 1}).set_ragged_offset(off);
+    } else {
+        t->set_stride({h * s, s, 1, 1});
+    }
 }
 
 std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
@@ -133,25 +134,32 @@ std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
         .set_compute_data_type(fe::DataType_t::FLOAT);
-    auto off_q = index_tensor(*g, "off_q", OFF_Q, a.b + 1);
-    auto off_k = index_tensor(*g, "off_k", OFF_K, a.b + 1);
-    auto off_s = index_tensor(*g, "off_stats", OFF_STATS, a.b + 1);
-    auto seq_q = index_tensor(*g, "seq_len_q", SEQ_Q, a.b);
-    auto seq_k = index_tensor(*g, "seq_len_k", SEQ_K, a.b);
+    const bool ragged = a.layout == 0;
+    std::shared_ptr<fe::graph::Tensor_attributes> off_q, off_k, off_s, seq_q, seq_k;
+    if (ragged) {
+        off_q = index_tensor(*g, "off_q", OFF_Q, a.b + 1);
+        off_k = index_tensor(*g, "off_k", OFF_K, a.b + 1);
+        off_s = index_tensor(*g, "off_stats", OFF_STATS, a.b + 1);
+        seq_q = index_tensor(*g, "seq_len_q", SEQ_Q, a.b);
+        seq_k = index_tensor(*g, "seq_len_k", SEQ_K, a.b);
+    }
     auto q = g->tensor(thd("q", Q, a.b, a.h_q, a.s_q, a.d, off_q));
     auto k = g->tensor(thd("k", K, a.b, a.h_k, a.s_k, a.d, off_k));
     auto v = g->tensor(thd("v", V, a.b, a.h_k, a.s_k, a.d, off_k));
     if (!a.backward) {
-        auto opts = fe::graph::SDPA_attributes()
-                        .set_name("vime_sdpa")
-                        .set_generate_stats(true)
-                        .set_attn_scale(a.scale)
-                        .set_padding_mask(true)
-                        .set_seq_len_q(seq_q)
-                        .set_seq_len_kv(seq_k)
-                        .set_causal_mask_bottom_right(true)
-                        .set_max_total_seq_len_q(a.t_q)
-                        .set_max_total_seq_len_kv(a.t_k);
+        auto opts = fe::graph::SDPA_attributes().set_name("vime_sdpa").set_generate_stats(true).set_attn_scale(a.scale);
+        if (a.top_left) {
+            opts.set_causal_mask(true);
+        } else {
+            opts.set_causal_mask_bottom_right(true);
+        }
+        if (ragged) {
+            opts.set_padding_mask(true)
+                .set_seq_len_q(seq_q)
+                .set_seq_len_kv(seq_k)
+                .set_max_total_seq_len_q(a.t_q)
+                .set_max_total_seq_len_kv(a.t_k);
+        }
         auto [o, stats] = g->sdpa(q, k, v, opts);
         set_thd(o, "o", O, a.b, a.h_q, a.s_q, a.d, off_q);
         stats->set_output(true);
@@ -164,13 +172,19 @@ std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
         auto opts = fe::graph::SDPA_backward_attributes()
                         .set_name("vime_sdpa_backward")
                         .set_attn_scale(a.scale)
-                        .set_padding_mask(true)
-                        .set_seq_len_q(seq_q)
-                        .set_seq_len_kv(seq_k)
-                        .set_causal_mask_bottom_right(true)
-                        .set_max_total_seq_len_q(a.t_q)
-                        .set_max_total_seq_len_kv(a.t_k)
                         .set_deterministic_algorithm(a.deterministic != 0);
+        if (a.top_left) {
+            opts.set_causal_mask(true);
+        } else {
+            opts.set_causal_mask_bottom_right(true);
+        }
+        if (ragged) {
+            opts.set_padding_mask(true)
+                .set_seq_len_q(seq_q)
+                .set_seq_len_kv(seq_k)
+                .set_max_total_seq_len_q(a.t_q)
+                .set_max_total_seq_len_kv(a.t_k);
+        }
         auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, opts);
         set_thd(dq, "dq", DQ, a.b, a.h_q, a.s_q, a.d, off_q);
         set_thd(dk, "dk", DK, a.b, a.h_k, a.s_k, a.d, off_k);
@@ -269,11 +283,14 @@ int vime_cudnn_sdpa_run(const VimeSdpaArgs* a, char* err, size_t n) {
             set_err(err, n, std::string("cudnnSetStream failed: ") + fe::detail::get_error_string(s));
             return 4;
         }
-        std::unordered_map<int64_t, void*> pack = {
-            {Q, a->q},           {K, a->k},           {V, a->v},         {O, a->o},
-            {STATS, a->stats},   {SEQ_Q, a->seq_len_q}, {SEQ_K, a->seq_len_k}, {OFF_Q, a->off_q},
-            {OFF_K, a->off_k},   {OFF_STATS, a->off_stats},
-        };
+        std::unordered_map<int64_t, void*> pack = {{Q, a->q}, {K, a->k}, {V, a->v}, {O, a->o}, {STATS, a->stats}};
+        if (a->layout == 0) {
+            pack[SEQ_Q] = a->seq_len_q;
+            pack[SEQ_K] = a->seq_len_k;
+            pack[OFF_Q] = a->off_q;
+            pack[OFF_K] = a->off_k;
+            pack[OFF_STATS] = a->off_stats;
+        }
         if (a->backward) {
             pack[DO] = a->dout;
             pack[DQ] = a->dq;

@@ -19,17 +19,22 @@
 //! - libcudnn and libcudart are loaded at first use (dynamic loading in the frontend); a build
 //!   or load failure is returned as an error, and `--attention-backend auto` then falls back to
 //!   the flash kernel once, with a message.
+#[cfg(feature = "cudnn")]
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
+#[cfg(feature = "cudnn")]
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
+#[cfg(feature = "cudnn")]
 use candle_core::{bail, Result};
+#[cfg(feature = "cudnn")]
 use std::ffi::{c_char, c_void, CStr};
 
+#[cfg(feature = "cudnn")]
 #[repr(C)]
 struct SdpaArgs {
     backward: i32,
     deterministic: i32,
     device: i32,
-    _pad: i32,
+    layout: i32,
     b: i64,
     s_q: i64,
     s_k: i64,
@@ -39,7 +44,7 @@ struct SdpaArgs {
     t_q: i64,
     t_k: i64,
     scale: f32,
-    _pad2: f32,
+    top_left: i32,
     stream: *mut c_void,
     q: u64,
     k: u64,
@@ -59,13 +64,28 @@ struct SdpaArgs {
     workspace_bytes: i64,
 }
 
+#[cfg(feature = "cudnn")]
 extern "C" {
     fn vime_cudnn_sdpa_workspace(a: *const SdpaArgs, bytes: *mut i64, err: *mut c_char, n: usize) -> i32;
     fn vime_cudnn_sdpa_run(a: *const SdpaArgs, err: *mut c_char, n: usize) -> i32;
 }
 
+/// Whether the calls' stats/offsets layout is cuDNN's dense one (see [`Plan`]).
+impl Plan {
+    #[cfg(test)]
+    fn layout(&self) -> (&'static str, bool) {
+        (if self.dense { "dense" } else { "ragged" }, self.top_left)
+    }
+}
+
 /// The shape of one call: packed geometry plus the `cu_seqlens` with empty sequences dropped.
+#[derive(Debug, PartialEq)]
 pub(crate) struct Plan {
+    /// Every kept sequence has the same `L_q = L_k`: cuDNN's dense layout (no ragged offsets, no
+    /// padding mask; `s_q = s_k` is that length exactly), measured faster than the ragged one.
+    dense: bool,
+    /// Every kept sequence has `L_q = L_k` (top-left and bottom-right causal masks coincide).
+    top_left: bool,
     b: usize,
     s_q: usize,
     s_k: usize,
@@ -86,6 +106,13 @@ pub(crate) struct Unsupported(pub String);
 
 fn bucket(n: usize) -> usize {
     n.next_power_of_two().max(64)
+}
+
+/// `VIME_CUDNN_LAYOUT=ragged`: every call on the ragged layout (for measuring the two against
+/// each other; read once).
+fn force_ragged() -> bool {
+    static RAGGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *RAGGED.get_or_init(|| std::env::var("VIME_CUDNN_LAYOUT").is_ok_and(|v| v == "ragged"))
 }
 
 impl Plan {
@@ -131,12 +158,22 @@ impl Plan {
         index[2 * seg + b] = (cu_q[last + 1] as usize * h_q * d) as i32;
         index[3 * seg + b] = (cu_k[last + 1] as usize * h_k * d) as i32;
         index[4 * seg + b] = (cu_q[last + 1] as usize * h_q) as i32;
+        let lens = |i: usize| (index[i], index[seg + i]);
+        let top_left = (0..b).all(|i| lens(i).0 == lens(i).1);
+        let dense = top_left && (0..b).all(|i| lens(i) == lens(0)) && !force_ragged();
+        let (s_q, s_k, t_q, t_k) = if dense {
+            (max_q, max_k, t_q, t_k)
+        } else {
+            (bucket(max_q), bucket(max_k), bucket(t_q), bucket(t_k))
+        };
         Ok(Self {
+            dense,
+            top_left,
             b,
-            s_q: bucket(max_q),
-            s_k: bucket(max_k),
-            t_q: bucket(t_q),
-            t_k: bucket(t_k),
+            s_q,
+            s_k,
+            t_q,
+            t_k,
             h_q,
             h_k,
             d,
@@ -147,6 +184,7 @@ impl Plan {
 }
 
 /// Device pointers of one call (0 where the direction does not use them).
+#[cfg(feature = "cudnn")]
 #[derive(Default)]
 pub(crate) struct Ptrs {
     pub q: u64,
@@ -160,6 +198,7 @@ pub(crate) struct Ptrs {
     pub dv: u64,
 }
 
+#[cfg(feature = "cudnn")]
 fn message(buf: &[u8]) -> String {
     CStr::from_bytes_until_nul(buf)
         .map(|c| c.to_string_lossy().into_owned())
@@ -167,6 +206,7 @@ fn message(buf: &[u8]) -> String {
 }
 
 /// Runs one direction of the graph for `plan` on the device's stream.
+#[cfg(feature = "cudnn")]
 pub(crate) fn run(
     dev: &CudaDevice,
     plan: &Plan,
@@ -186,7 +226,7 @@ pub(crate) fn run(
         backward: backward as i32,
         deterministic: deterministic as i32,
         device: stream.context().ordinal() as i32,
-        _pad: 0,
+        layout: plan.dense as i32,
         b: plan.b as i64,
         s_q: plan.s_q as i64,
         s_k: plan.s_k as i64,
@@ -196,7 +236,7 @@ pub(crate) fn run(
         t_q: plan.t_q as i64,
         t_k: plan.t_k as i64,
         scale: scale as f32,
-        _pad2: 0.0,
+        top_left: plan.top_left as i32,
         stream: stream.cu_stream() as *mut c_void,
         q: p.q,
         k: p.k,
@@ -241,4 +281,46 @@ pub(crate) fn run(
     // `index` and `ws` are freed in stream order (candle's pool), after the kernels that read them.
     drop((index, ws));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_lengths_take_the_dense_layout() {
+        let p = Plan::new(&[0, 4096, 8192], &[0, 4096, 8192], 32, 8, 128).unwrap();
+        assert_eq!(p.layout(), ("dense", true));
+        assert_eq!((p.b, p.s_q, p.s_k, p.t_q), (2, 4096, 4096, 8192));
+    }
+
+    #[test]
+    fn ragged_offsets_skip_empty_sequences_and_bucket_the_shape() {
+        // lengths q: 1, 0, 100, 37 / k: 300, 3, 100, 200 (the empty query sequence is dropped)
+        let (cq, ck) = ([0u32, 1, 1, 101, 138], [0u32, 300, 303, 403, 603]);
+        let p = Plan::new(&cq, &ck, 4, 2, 8).unwrap();
+        assert_eq!(p.layout(), ("ragged", false));
+        assert_eq!((p.b, p.s_q, p.s_k, p.t_q, p.t_k), (3, 128, 512, 256, 1024));
+        let seg = p.seg;
+        assert_eq!(seg, 4);
+        assert_eq!(&p.index[..3], &[1, 100, 37]); // seq_len_q
+        assert_eq!(&p.index[seg..seg + 3], &[300, 100, 200]); // seq_len_k
+        assert_eq!(&p.index[2 * seg..2 * seg + 4], &[0, 32, 32 * 101, 32 * 138]); // q: x h_q x d
+        assert_eq!(&p.index[3 * seg..3 * seg + 4], &[0, 16 * 303, 16 * 403, 16 * 603]); // k: x h_k x d
+        assert_eq!(&p.index[4 * seg..4 * seg + 4], &[0, 4, 4 * 101, 4 * 138]); // stats: x h_q
+    }
+
+    #[test]
+    fn unequal_self_attention_lengths_are_ragged_but_top_left() {
+        let p = Plan::new(&[0, 10, 30], &[0, 10, 30], 2, 1, 8).unwrap();
+        assert_eq!(p.layout(), ("ragged", true));
+    }
+
+    #[test]
+    fn refusals_name_the_reason() {
+        assert!(Plan::new(&[0, 0], &[0, 5], 2, 1, 8).unwrap_err().0.contains("no non-empty"));
+        let big = 1u32 << 20;
+        let e = Plan::new(&[0, big], &[0, big], 32, 8, 128).unwrap_err();
+        assert!(e.0.contains("int32"), "{}", e.0);
+    }
 }

@@ -21,7 +21,7 @@ pub mod attention;
 pub mod composed;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cudnn")]
+#[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
 mod cudnn;
 pub mod embedding;
 pub mod lm_head;

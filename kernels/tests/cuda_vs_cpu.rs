@@ -118,7 +118,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     for (backend, tag) in attention_backends() {
         vime_kernels::set_attention_backend(backend)?;
         check_attention(tag, &cu, scale, &gpu, &mut rng, &mut failures)?;
-        checks += 3;
+        checks += 4;
     }
     vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
     #[cfg(feature = "cudnn")]
@@ -213,6 +213,18 @@ fn check_attention(
     check(
         &format!("varlen_attention Lk>Lq [{tag}]"),
         &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale),
+        &[q, k, v],
+        gpu,
+        failures,
+    )?;
+    // Two sequences of one length (cuDNN's dense layout).
+    let c2: Arc<[u32]> = vec![0u32, 640, 1280].into();
+    let q = rng.randn(&[1280, 32, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[1280, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[1280, 8, 128], 1.0, bf, &Device::Cpu)?;
+    check(
+        &format!("varlen_attention 2x640 [{tag}]"),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c2, &c2, scale),
         &[q, k, v],
         gpu,
         failures,
@@ -441,9 +453,15 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         &|a| vime_kernels::swiglu(&a[0], &a[1]),
         &[g, u],
     )?;
-    for (seqs, len) in [(1usize, 4096usize), (2, 2048), (1, 8192)] {
-        let tt = seqs * len;
-        let cu: Arc<[u32]> = (0..=seqs as u32).map(|s| s * len as u32).collect::<Vec<_>>().into();
+    // (uneven: 3000 + 1096 tokens, the ragged layout on cuDNN)
+    for (seqs, len) in [(1usize, 4096usize), (2, 2048), (1, 8192), (2, 0)] {
+        let cu: Arc<[u32]> = if len == 0 {
+            vec![0u32, 3000, 4096].into()
+        } else {
+            (0..=seqs as u32).map(|s| s * len as u32).collect::<Vec<_>>().into()
+        };
+        let tt = *cu.last().unwrap() as usize;
+        let len_tag = if len == 0 { "3000+1096".to_string() } else { format!("{seqs}x{len}") };
         let q = rng.randn(&[tt, 32, 128], 1.0, bf, &gpu)?;
         let k = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
         let v = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
@@ -453,7 +471,7 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
             let c = cu.clone();
             time_op(
                 &format!("attention[{tag}]"),
-                &format!("{seqs}x{len}_h32_kv8_d128"),
+                &format!("{len_tag}_h32_kv8_d128"),
                 &gpu,
                 &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
                 &[q.clone(), k.clone(), v.clone()],

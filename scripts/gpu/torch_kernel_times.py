@@ -145,14 +145,17 @@ def main():
     print("f+b: forward + backward of sum(y * w); net: f+b minus the objective's own cost (same objective")
     print("through y * 1). Attention TFLOP/s from the net f+b time.")
     print(f"{'op':<24} {'shape':<20} {'vime fwd':>9} {'torch fwd':>9} {'vime f+b':>9} {'torch f+b':>9} {'vime net':>9} {'torch net':>9}  torch/vime (net)")
-    rows = [(k, res[k], "torch") for k in res] + [(("attention", s), v, f"sdpa_{tag}") for (tag, s), v in attn.items()]
+    # vime's attention rows are per kernel ("attention[flash]", "attention[cudnn]"; "attention" before)
+    vime_attn = sorted({op for op, _ in vime if op.startswith("attention")})
+    rows = [(k, res[k], "torch") for k in res] + [
+        ((op, s), v, f"sdpa_{tag}") for (tag, s), v in attn.items() for op in vime_attn]
     for (op, shape), (tf, tb, to), who in rows:
         if (op, shape) not in vime:
             continue
         vf, vb, vo = vime[(op, shape)]
         vn, tn = vb - vo, tb - to
         extra = ""
-        if op == "attention":
+        if op.startswith("attention"):
             seqs, ln = shape.split("_")[0].split("x")
             flops = 3 * int(seqs) * 4 * int(ln) ** 2 * 128 * 32 / 2
             extra = f"   vime {flops / vn / 1e9:.0f} TFLOP/s, {who} {flops / tn / 1e9:.0f} TFLOP/s"
