@@ -19,6 +19,7 @@
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -73,6 +74,8 @@ struct Entry {
 std::mutex g_mutex;
 std::map<Key, Entry> g_graphs;
 std::map<int, cudnnHandle_t> g_handles;
+int64_t g_built = 0;         // graphs built so far
+double g_build_seconds = 0;  // host time spent building them
 
 void set_err(char* err, size_t n, const std::string& msg) {
     if (err && n) {
@@ -237,7 +240,10 @@ Entry* entry_for(const VimeSdpaArgs& a, cudnnHandle_t* handle_out, char* err, si
     auto it = g_graphs.find(key);
     if (it == g_graphs.end()) {
         Entry e;
+        auto t0 = std::chrono::steady_clock::now();
         std::string msg = build(a, h->second, e);
+        g_build_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        g_built += 1;
         if (!msg.empty()) {
             set_err(err, n, msg);
             return nullptr;
@@ -250,6 +256,13 @@ Entry* entry_for(const VimeSdpaArgs& a, cudnnHandle_t* handle_out, char* err, si
 }  // namespace
 
 extern "C" {
+
+// How many graphs were built so far and the host seconds that took.
+void vime_cudnn_graph_stats(int64_t* built, double* seconds) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    *built = g_built;
+    *seconds = g_build_seconds;
+}
 
 // Builds (or finds) the graph for `a` and reports its workspace size. 0 on success.
 int vime_cudnn_sdpa_workspace(const VimeSdpaArgs* a, int64_t* bytes, char* err, size_t n) {

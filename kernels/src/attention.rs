@@ -109,6 +109,19 @@ pub fn deterministic_attention() -> bool {
     DETERMINISTIC.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// cuDNN graphs built so far and the host seconds that took (`(0, 0.0)` without the cudnn
+/// feature): each new shape bucket costs a forward and a backward graph.
+pub fn cudnn_graph_stats() -> (u64, f64) {
+    #[cfg(feature = "cudnn")]
+    {
+        crate::cudnn::graph_stats()
+    }
+    #[cfg(not(feature = "cudnn"))]
+    {
+        (0, 0.0)
+    }
+}
+
 /// The kernel bf16 attention on CUDA runs now: `"cudnn"` or `"flash"` (also after `auto` fell
 /// back from a cuDNN failure).
 pub fn cuda_attention_kernel() -> &'static str {

@@ -658,6 +658,10 @@ fn cudnn_plan(cu_q: &[u32], cu_k: &[u32], h: usize, hkv: usize, d: usize) -> Res
         return Ok(None);
     }
     match crate::cudnn::Plan::new(cu_q, cu_k, h, hkv, d) {
+        // `auto` leaves L_k > L_q (the built-in engine's KV-cache prefill and decoding, context-
+        // parallel chunks) to the flash kernel: cuDNN's bottom-right-masked backward measured no
+        // faster than flash, and decoding would build a graph for every new key length bucket.
+        Ok(p) if backend == AttentionBackend::Auto && !p.top_left => Ok(None),
         Ok(p) => Ok(Some(p)),
         Err(crate::cudnn::Unsupported(why)) if backend == AttentionBackend::Fused => {
             bail!("varlen_attention: --attention-backend fused (cuDNN) cannot run this call: {why}")

@@ -68,14 +68,16 @@ struct SdpaArgs {
 extern "C" {
     fn vime_cudnn_sdpa_workspace(a: *const SdpaArgs, bytes: *mut i64, err: *mut c_char, n: usize) -> i32;
     fn vime_cudnn_sdpa_run(a: *const SdpaArgs, err: *mut c_char, n: usize) -> i32;
+    fn vime_cudnn_graph_stats(built: *mut i64, seconds: *mut f64);
 }
 
-/// Whether the calls' stats/offsets layout is cuDNN's dense one (see [`Plan`]).
-impl Plan {
-    #[cfg(test)]
-    fn layout(&self) -> (&'static str, bool) {
-        (if self.dense { "dense" } else { "ragged" }, self.top_left)
-    }
+/// cuDNN graphs built so far in this process and the host seconds spent building them (each new
+/// shape bucket costs one forward and one backward graph).
+#[cfg(feature = "cudnn")]
+pub fn graph_stats() -> (u64, f64) {
+    let (mut n, mut s) = (0i64, 0f64);
+    unsafe { vime_cudnn_graph_stats(&mut n, &mut s) };
+    (n as u64, s)
 }
 
 /// The shape of one call: packed geometry plus the `cu_seqlens` with empty sequences dropped.
@@ -85,7 +87,7 @@ pub(crate) struct Plan {
     /// padding mask; `s_q = s_k` is that length exactly), measured faster than the ragged one.
     dense: bool,
     /// Every kept sequence has `L_q = L_k` (top-left and bottom-right causal masks coincide).
-    top_left: bool,
+    pub(crate) top_left: bool,
     b: usize,
     s_q: usize,
     s_k: usize,
@@ -286,6 +288,12 @@ pub(crate) fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Plan {
+        fn layout(&self) -> (&'static str, bool) {
+            (if self.dense { "dense" } else { "ragged" }, self.top_left)
+        }
+    }
 
     #[test]
     fn equal_lengths_take_the_dense_layout() {

@@ -33,7 +33,7 @@ pub mod testing;
 pub mod vjp;
 
 pub use attention::{
-    attention_backend, cuda_attention_kernel, deterministic_attention, set_attention_backend, set_deterministic_attention, varlen_attention,
+    attention_backend, cuda_attention_kernel, cudnn_graph_stats, deterministic_attention, set_attention_backend, set_deterministic_attention, varlen_attention,
     varlen_attention_backward, varlen_attention_saved, AttentionBackend, AttentionSaved,
 };
 pub use embedding::embedding_backward;

@@ -303,3 +303,34 @@ fn rejects_bad_inputs_with_clear_errors() -> Result<()> {
     expect(varlen_attention(&q, &k, &k, &ok, &ok, f64::NAN), "softmax_scale");
     Ok(())
 }
+
+#[test]
+fn attention_backend_names_parse_and_fused_needs_the_cudnn_build() {
+    use vime_kernels::AttentionBackend as B;
+    assert_eq!("auto".parse::<B>().unwrap(), B::Auto);
+    assert_eq!("fused".parse::<B>().unwrap(), B::Fused);
+    assert_eq!("cudnn".parse::<B>().unwrap(), B::Fused);
+    assert_eq!("flash".parse::<B>().unwrap(), B::Flash);
+    let e = "local".parse::<B>().unwrap_err();
+    assert!(e.contains("local") && e.contains("auto, fused"), "{e}");
+    let r = vime_kernels::set_attention_backend(B::Fused);
+    if cfg!(feature = "cudnn") {
+        r.unwrap();
+        vime_kernels::set_attention_backend(B::Auto).unwrap();
+    } else {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("cudnn feature"), "{e}");
+        assert_eq!(vime_kernels::attention_backend(), B::Auto, "a refused setting changes nothing");
+    }
+    // The CPU path never consults the backend: flash / auto give bit-identical results.
+    let c = cu(&[5, 3]);
+    let mut rng = Rng::new(11);
+    let q = rng.randn(&[8, 4, 8], 1.0, DType::F32, &Device::Cpu).unwrap();
+    let k = rng.randn(&[8, 2, 8], 1.0, DType::F32, &Device::Cpu).unwrap();
+    let v = rng.randn(&[8, 2, 8], 1.0, DType::F32, &Device::Cpu).unwrap();
+    let a = varlen_attention(&q, &k, &v, &c, &c, 0.3).unwrap();
+    vime_kernels::set_attention_backend(B::Flash).unwrap();
+    let b = varlen_attention(&q, &k, &v, &c, &c, 0.3).unwrap();
+    vime_kernels::set_attention_backend(B::Auto).unwrap();
+    assert_eq!(bits(&a).unwrap(), bits(&b).unwrap());
+}

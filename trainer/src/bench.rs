@@ -349,6 +349,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "recompute": args.recompute,
         "attention": if device.is_cuda() { vime_kernels::cuda_attention_kernel() } else { "cpu" },
         "deterministic_mode": args.deterministic_mode,
+        "cudnn_graphs": vime_kernels::cudnn_graph_stats().0,
+        "cudnn_graph_build_s": vime_kernels::cudnn_graph_stats().1,
         "seq_len": args.seq_len,
         "tokens_per_micro_batch": args.max_tokens_per_gpu,
         "micro_batches": args.micro_batches,
@@ -380,6 +382,10 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         100.0 * tflops / 790.0,
         peak as f64 / (1u64 << 30) as f64
     );
+    let (graphs, build_s) = vime_kernels::cudnn_graph_stats();
+    if graphs > 0 {
+        println!("cuDNN attention: {graphs} graphs built, {build_s:.2} s of host time (warm-up included)");
+    }
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
     }

@@ -46,3 +46,20 @@ pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Resul
     vime_kernels::set_deterministic_attention(deterministic);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_flags_are_checked() {
+        let e = apply_kernel_flags("unfused", false).unwrap_err().to_string();
+        assert!(e.contains("--attention-backend") && e.contains("unfused"), "{e}");
+        apply_kernel_flags("flash", true).unwrap();
+        assert_eq!(vime_kernels::attention_backend(), vime_kernels::AttentionBackend::Flash);
+        assert!(vime_kernels::deterministic_attention());
+        apply_kernel_flags("auto", false).unwrap();
+        assert_eq!(vime_kernels::attention_backend(), vime_kernels::AttentionBackend::Auto);
+        assert!(!vime_kernels::deterministic_attention());
+    }
+}
