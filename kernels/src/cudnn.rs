@@ -141,12 +141,18 @@ impl Plan {
         if b == 0 {
             return Err(Unsupported("no non-empty sequence".into()));
         }
-        let seg = (b + 1).next_multiple_of(4);
+        let len = |s: usize| ((cu_q[s + 1] - cu_q[s]) as usize, (cu_k[s + 1] - cu_k[s]) as usize);
+        let top_left = keep.iter().all(|&s| len(s).0 == len(s).1);
+        let dense = top_left && keep.iter().all(|&s| len(s) == len(keep[0])) && !force_ragged();
+        // The ragged graph's batch rounds up to a power of two with empty sequences (length 0,
+        // offsets at the end), so that a few graphs serve every micro-batch of a dynamic-batching
+        // run (a graph pair costs ~2.5 s of host time to build at Qwen3-4B shapes).
+        let b_graph = if dense { b } else { b.next_power_of_two() };
+        let seg = (b_graph + 1).next_multiple_of(4);
         let mut index = vec![0i32; 5 * seg];
         let (mut max_q, mut max_k) = (0usize, 0usize);
         for (i, &s) in keep.iter().enumerate() {
-            let lq = (cu_q[s + 1] - cu_q[s]) as usize;
-            let lk = (cu_k[s + 1] - cu_k[s]) as usize;
+            let (lq, lk) = len(s);
             max_q = max_q.max(lq);
             max_k = max_k.max(lk);
             index[i] = lq as i32;
@@ -155,14 +161,14 @@ impl Plan {
             index[3 * seg + i] = (cu_k[s] as usize * h_k * d) as i32;
             index[4 * seg + i] = (cu_q[s] as usize * h_q) as i32;
         }
-        // The past-the-end offsets: where the last kept sequence ends.
+        // Past-the-end offsets (where the last kept sequence ends), repeated for the padding.
         let last = keep[b - 1];
-        index[2 * seg + b] = (cu_q[last + 1] as usize * h_q * d) as i32;
-        index[3 * seg + b] = (cu_k[last + 1] as usize * h_k * d) as i32;
-        index[4 * seg + b] = (cu_q[last + 1] as usize * h_q) as i32;
-        let lens = |i: usize| (index[i], index[seg + i]);
-        let top_left = (0..b).all(|i| lens(i).0 == lens(i).1);
-        let dense = top_left && (0..b).all(|i| lens(i) == lens(0)) && !force_ragged();
+        for i in b..=b_graph {
+            index[2 * seg + i] = (cu_q[last + 1] as usize * h_q * d) as i32;
+            index[3 * seg + i] = (cu_k[last + 1] as usize * h_k * d) as i32;
+            index[4 * seg + i] = (cu_q[last + 1] as usize * h_q) as i32;
+        }
+        let b = b_graph;
         let (s_q, s_k, t_q, t_k) = if dense {
             (max_q, max_k, t_q, t_k)
         } else {
@@ -308,14 +314,21 @@ mod tests {
         let (cq, ck) = ([0u32, 1, 1, 101, 138], [0u32, 300, 303, 403, 603]);
         let p = Plan::new(&cq, &ck, 4, 2, 8).unwrap();
         assert_eq!(p.layout(), ("ragged", false));
-        assert_eq!((p.b, p.s_q, p.s_k, p.t_q, p.t_k), (3, 128, 512, 256, 1024));
+        // 3 sequences kept, the graph's batch padded to 4 with an empty one
+        assert_eq!((p.b, p.s_q, p.s_k, p.t_q, p.t_k), (4, 128, 512, 256, 1024));
         let seg = p.seg;
-        assert_eq!(seg, 4);
-        assert_eq!(&p.index[..3], &[1, 100, 37]); // seq_len_q
-        assert_eq!(&p.index[seg..seg + 3], &[300, 100, 200]); // seq_len_k
-        assert_eq!(&p.index[2 * seg..2 * seg + 4], &[0, 32, 32 * 101, 32 * 138]); // q: x h_q x d
-        assert_eq!(&p.index[3 * seg..3 * seg + 4], &[0, 16 * 303, 16 * 403, 16 * 603]); // k: x h_k x d
-        assert_eq!(&p.index[4 * seg..4 * seg + 4], &[0, 4, 4 * 101, 4 * 138]); // stats: x h_q
+        assert_eq!(seg, 8);
+        assert_eq!(&p.index[..4], &[1, 100, 37, 0]); // seq_len_q
+        assert_eq!(&p.index[seg..seg + 4], &[300, 100, 200, 0]); // seq_len_k
+        assert_eq!(&p.index[2 * seg..2 * seg + 5], &[0, 32, 32 * 101, 32 * 138, 32 * 138]); // q: x h_q x d
+        let k_off = [0, 16 * 303, 16 * 403, 16 * 603, 16 * 603];
+        assert_eq!(&p.index[3 * seg..3 * seg + 5], &k_off); // k: x h_k x d
+        assert_eq!(&p.index[4 * seg..4 * seg + 5], &[0, 4, 4 * 101, 4 * 138, 4 * 138]); // stats: x h_q
+        // 5..8 sequences share the graph of 8
+        let c5: Vec<u32> = (0..=5).map(|i| i * 10 + i * i).collect();
+        let c8: Vec<u32> = (0..=8).map(|i| i * 10 + i * i).collect();
+        let (p5, p8) = (Plan::new(&c5, &c5, 2, 1, 8).unwrap(), Plan::new(&c8, &c8, 2, 1, 8).unwrap());
+        assert_eq!((p5.b, p8.b), (8, 8));
     }
 
     #[test]

@@ -7,7 +7,8 @@
 #
 #   scripts/gpu/rl_smoke.sh [OUT_DIR]
 #
-# Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT}. Ends with "RL SMOKE: PASS" when both
+# Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT}. VIME_FLAGS="..." adds flags to both
+# training runs (e.g. "--attention-backend flash" to compare the attention kernels). Ends with "RL SMOKE: PASS" when both
 # runs finish and the GRPO run's last eval line is printed; its pass@1 is for reading, not judged.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/rl_smoke_out}}
@@ -20,13 +21,13 @@ W=$(mktemp -d)
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: scripts/gpu/rl_smoke.sh $*"
+  echo "command: VIME_FLAGS=\"${VIME_FLAGS:-}\" scripts/gpu/rl_smoke.sh $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee "$LOG"
 DATA=(--prompt-data "$W/task/train.jsonl" --label-key label --rollout-shuffle
       --eval-prompt-data rev "$W/task/eval.jsonl" --n-samples-per-eval-prompt 4
       --rollout-max-response-len 8 --rm-type exact_match --weight-decay 0 --use-dynamic-batch-size
-      --max-tokens-per-gpu 4096 --dtype bf16 --device cuda --no-progress)
+      --max-tokens-per-gpu 4096 --dtype bf16 --device cuda --no-progress ${VIME_FLAGS:-})
 status=0
 "$BIN" make-task reverse --out "$W/task" --n-train 2000 --n-eval 100 --seed 0 --head-dim 128 \
   --num-attention-heads 2 --num-key-value-heads 1 2>&1 | tee -a "$LOG" || status=1
