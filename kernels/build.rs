@@ -52,9 +52,8 @@ fn build_cudnn(out: &std::path::Path) {
     let src = PathBuf::from("cudnn").join("sdpa.cpp");
     println!("cargo:rerun-if-changed={}", src.display());
     let var = |name: &str| {
-        std::env::var(name).unwrap_or_else(|_| {
-            panic!("the cudnn feature needs ${name} (source scripts/gpu/cudnn-headers.sh)")
-        })
+        std::env::var(name)
+            .unwrap_or_else(|_| panic!("the cudnn feature needs ${name} (source scripts/gpu/cudnn-headers.sh)"))
     };
     let cuda_home = std::env::var("CUDA_HOME")
         .or_else(|_| std::env::var("CUDA_PATH"))

@@ -3,16 +3,18 @@
 // built with NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING, so libcudnn and libcudart are dlopen'ed at
 // first use and the binary links neither).
 //
-// Layout (cuDNN's "THD" packed layout, every tensor ragged over the token axis):
-//   q, o, dq, do: [T_q, H_q, D] contiguous  -> dims [B, H_q, S_q, D], strides [S_q*H_q*D, D, H_q*D, 1]
-//   k, v, dk, dv: [T_k, H_k, D] contiguous  -> dims [B, H_k, S_k, D], strides [S_k*H_k*D, D, H_k*D, 1]
-//   stats (log-sum-exp of the scaled scores, f32): [T_q, H_q] -> dims [B, H_q, S_q, 1],
+// Layouts (kernels/src/cudnn.rs picks one per call):
+//   ragged (layout 0): every tensor a THD ragged tensor over the token axis,
+//     q, o, dq, do: [T_q, H_q, D] -> dims [B, H_q, S_q, D], strides [S_q*H_q*D, D, H_q*D, 1]
+//     k, v, dk, dv: [T_k, H_k, D] -> dims [B, H_k, S_k, D], strides [S_k*H_k*D, D, H_k*D, 1]
+//     stats (f32 log-sum-exp of the scaled scores): [T_q, H_q] -> dims [B, H_q, S_q, 1],
 //       strides [S_q*H_q, 1, H_q, 1]
-// with ragged offsets (in elements) cu_q[b]*H_q*D, cu_k[b]*H_k*D and cu_q[b]*H_q, and per-sequence
-// lengths seq_len_q / seq_len_kv for the padding mask. S_q / S_k are upper bounds of the longest
-// sequence (the caller rounds them up so one graph serves many batches). The causal mask is
-// bottom-right aligned, which for equal lengths is ordinary causal attention and for L_k > L_q
-// puts the queries at the end of their keys (vime's varlen convention).
+//     with ragged offsets (in elements) cu_q[b]*H_q*D, cu_k[b]*H_k*D, cu_q[b]*H_q, and the padding
+//     mask's per-sequence lengths; S_q, S_k and B are rounded-up bounds (empty sequences pad B).
+//   dense (layout 1): every sequence exactly S_q = S_k long, the same views without offsets or
+//     padding mask, and stats packed [B, H_q, S_q, 1].
+// The causal mask is top-left (all L_q = L_k) or bottom-right (queries at the end of their keys,
+// vime's varlen convention for L_k > L_q).
 //
 // One graph per (direction, shape, scale, determinism, device), built once and cached; the
 // caller owns every buffer, including the workspace, whose size it asks for first.
@@ -132,6 +134,24 @@ void set_stats(const std::shared_ptr<fe::graph::Tensor_attributes>& t, int64_t b
     }
 }
 
+// The causal mask and, on the ragged layout, the padding mask of either direction's attributes.
+template <class Opts>
+void set_masks(Opts& opts, const VimeSdpaArgs& a, std::shared_ptr<fe::graph::Tensor_attributes> seq_q,
+               std::shared_ptr<fe::graph::Tensor_attributes> seq_k) {
+    if (a.top_left) {
+        opts.set_causal_mask(true);
+    } else {
+        opts.set_causal_mask_bottom_right(true);
+    }
+    if (a.layout == 0) {
+        opts.set_padding_mask(true)
+            .set_seq_len_q(seq_q)
+            .set_seq_len_kv(seq_k)
+            .set_max_total_seq_len_q(a.t_q)
+            .set_max_total_seq_len_kv(a.t_k);
+    }
+}
+
 std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -151,18 +171,7 @@ std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
     auto v = g->tensor(thd("v", V, a.b, a.h_k, a.s_k, a.d, off_k));
     if (!a.backward) {
         auto opts = fe::graph::SDPA_attributes().set_name("vime_sdpa").set_generate_stats(true).set_attn_scale(a.scale);
-        if (a.top_left) {
-            opts.set_causal_mask(true);
-        } else {
-            opts.set_causal_mask_bottom_right(true);
-        }
-        if (ragged) {
-            opts.set_padding_mask(true)
-                .set_seq_len_q(seq_q)
-                .set_seq_len_kv(seq_k)
-                .set_max_total_seq_len_q(a.t_q)
-                .set_max_total_seq_len_kv(a.t_k);
-        }
+        set_masks(opts, a, seq_q, seq_k);
         auto [o, stats] = g->sdpa(q, k, v, opts);
         set_thd(o, "o", O, a.b, a.h_q, a.s_q, a.d, off_q);
         stats->set_output(true);
@@ -176,18 +185,7 @@ std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
                         .set_name("vime_sdpa_backward")
                         .set_attn_scale(a.scale)
                         .set_deterministic_algorithm(a.deterministic != 0);
-        if (a.top_left) {
-            opts.set_causal_mask(true);
-        } else {
-            opts.set_causal_mask_bottom_right(true);
-        }
-        if (ragged) {
-            opts.set_padding_mask(true)
-                .set_seq_len_q(seq_q)
-                .set_seq_len_kv(seq_k)
-                .set_max_total_seq_len_q(a.t_q)
-                .set_max_total_seq_len_kv(a.t_k);
-        }
+        set_masks(opts, a, seq_q, seq_k);
         auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, opts);
         set_thd(dq, "dq", DQ, a.b, a.h_q, a.s_q, a.d, off_q);
         set_thd(dk, "dk", DK, a.b, a.h_k, a.s_k, a.d, off_k);

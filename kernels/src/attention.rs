@@ -75,6 +75,9 @@ impl std::str::FromStr for AttentionBackend {
 static BACKEND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 static DETERMINISTIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Whether this build has cuDNN's fused attention (the `cudnn` feature).
+pub const CUDNN_BUILT: bool = cfg!(feature = "cudnn");
+
 /// Selects the attention kernel for the whole process (see [`AttentionBackend`]). `Fused` in a
 /// build without the `cudnn` feature is an error here rather than at the first forward.
 pub fn set_attention_backend(b: AttentionBackend) -> Result<()> {

@@ -7,18 +7,23 @@
 //! ragged offsets and the padding mask's per-sequence lengths.
 //!
 //! Decisions:
-//! - The saved statistics are cuDNN's own (`[T_q, H_q]` f32, natural-log log-sum-exp of the
-//!   scaled scores), not the flash kernel's `[H_q, T_q]`; a forward and its backward always run
-//!   on the same backend, which [`Saved`] records.
-//! - Graph shapes are bucketed so that one graph serves many micro-batches: the longest sequence
-//!   and the token totals round up to a power of two (at least 64). The padding mask holds the
-//!   real lengths, so the extra rows cost only empty thread blocks. The batch (sequence count)
-//!   is exact; empty sequences are dropped first (they contribute nothing).
+//! - The saved statistics are cuDNN's own (f32 natural-log log-sum-exp of the scaled scores:
+//!   `[T_q, H_q]` on the ragged layout, `[B, H_q, L]` on the dense one), not the flash kernel's
+//!   `[H_q, T_q]`; a forward and its backward always run on the same backend and plan, which the
+//!   op's saved state records.
+//! - Two layouts. Dense (every sequence of one length `L`, `L_q = L_k`): plain `[B, H, L, D]`
+//!   views with no padding mask, what torch's SDPA hands cuDNN. Ragged otherwise: THD tensors with
+//!   ragged offsets and the padding mask's per-sequence lengths; the longest sequence and the
+//!   token totals round up to a power of two (at least 64) and the batch to a power of two (empty
+//!   sequences pad it), so a few graphs serve a whole dynamic-batching run.
+//! - The causal mask is top-left whenever every sequence has `L_q = L_k` (then identical to
+//!   bottom-right): cuDNN's bottom-right-masked backward measured no faster than vime's flash
+//!   kernel (`benches/PERF_NOTES.md`). `--attention-backend auto` leaves `L_k > L_q` (KV-cache
+//!   prefill and decoding, context-parallel chunks) to the flash kernel; `fused` runs it on cuDNN.
 //! - Offsets are int32 element counts (`T x H x D` must stay below 2^31); calls beyond that
-//!   report [`Unsupported`] and run the flash kernel.
-//! - libcudnn and libcudart are loaded at first use (dynamic loading in the frontend); a build
-//!   or load failure is returned as an error, and `--attention-backend auto` then falls back to
-//!   the flash kernel once, with a message.
+//!   report [`Unsupported`] and run the flash kernel (`fused`: an error).
+//! - libcudnn and libcudart are loaded at first use (dynamic loading in the frontend); a load or
+//!   graph failure under `auto` is reported once and the flash kernel takes over.
 #[cfg(feature = "cudnn")]
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
 #[cfg(feature = "cudnn")]
@@ -125,10 +130,7 @@ impl Plan {
         h_k: usize,
         d: usize,
     ) -> std::result::Result<Self, Unsupported> {
-        let (t_q, t_k) = (
-            *cu_q.last().unwrap_or(&0) as usize,
-            *cu_k.last().unwrap_or(&0) as usize,
-        );
+        let (t_q, t_k) = (*cu_q.last().unwrap_or(&0) as usize, *cu_k.last().unwrap_or(&0) as usize);
         if (t_q * h_q * d) >= (1 << 31) || (t_k * h_k * d) >= (1 << 31) {
             return Err(Unsupported(format!(
                 "{t_q} x {h_q} x {d} query or {t_k} x {h_k} x {d} key elements exceed cuDNN's int32 offsets"
@@ -146,7 +148,8 @@ impl Plan {
         let dense = top_left && keep.iter().all(|&s| len(s) == len(keep[0])) && !force_ragged();
         // The ragged graph's batch rounds up to a power of two with empty sequences (length 0,
         // offsets at the end), so that a few graphs serve every micro-batch of a dynamic-batching
-        // run (a graph pair costs ~2.5 s of host time to build at Qwen3-4B shapes).
+        // run (measured on the H200: the first graph pair of a process ~2.5 s including loading
+        // libcudnn, a graph pair in a process that has loaded it ~0.13 s).
         let b_graph = if dense { b } else { b.next_power_of_two() };
         let seg = (b_graph + 1).next_multiple_of(4);
         let mut index = vec![0i32; 5 * seg];
@@ -324,10 +327,13 @@ mod tests {
         let k_off = [0, 16 * 303, 16 * 403, 16 * 603, 16 * 603];
         assert_eq!(&p.index[3 * seg..3 * seg + 5], &k_off); // k: x h_k x d
         assert_eq!(&p.index[4 * seg..4 * seg + 5], &[0, 4, 4 * 101, 4 * 138, 4 * 138]); // stats: x h_q
-        // 5..8 sequences share the graph of 8
+                                                                                        // 5..8 sequences share the graph of 8
         let c5: Vec<u32> = (0..=5).map(|i| i * 10 + i * i).collect();
         let c8: Vec<u32> = (0..=8).map(|i| i * 10 + i * i).collect();
-        let (p5, p8) = (Plan::new(&c5, &c5, 2, 1, 8).unwrap(), Plan::new(&c8, &c8, 2, 1, 8).unwrap());
+        let (p5, p8) = (
+            Plan::new(&c5, &c5, 2, 1, 8).unwrap(),
+            Plan::new(&c8, &c8, 2, 1, 8).unwrap(),
+        );
         assert_eq!((p5.b, p8.b), (8, 8));
     }
 
@@ -339,7 +345,10 @@ mod tests {
 
     #[test]
     fn refusals_name_the_reason() {
-        assert!(Plan::new(&[0, 0], &[0, 5], 2, 1, 8).unwrap_err().0.contains("no non-empty"));
+        assert!(Plan::new(&[0, 0], &[0, 5], 2, 1, 8)
+            .unwrap_err()
+            .0
+            .contains("no non-empty"));
         let big = 1u32 << 20;
         let e = Plan::new(&[0, big], &[0, big], 32, 8, 128).unwrap_err();
         assert!(e.0.contains("int32"), "{}", e.0);

@@ -33,8 +33,9 @@ pub mod testing;
 pub mod vjp;
 
 pub use attention::{
-    attention_backend, cuda_attention_kernel, cudnn_graph_stats, deterministic_attention, set_attention_backend, set_deterministic_attention, varlen_attention,
-    varlen_attention_backward, varlen_attention_saved, AttentionBackend, AttentionSaved,
+    attention_backend, cuda_attention_kernel, cudnn_graph_stats, deterministic_attention, set_attention_backend,
+    set_deterministic_attention, varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionBackend,
+    AttentionSaved, CUDNN_BUILT,
 };
 pub use embedding::embedding_backward;
 pub use lm_head::{logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, LmHeadSaved, IGNORE_TARGET};

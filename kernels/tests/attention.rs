@@ -320,7 +320,11 @@ fn attention_backend_names_parse_and_fused_needs_the_cudnn_build() {
     } else {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("cudnn feature"), "{e}");
-        assert_eq!(vime_kernels::attention_backend(), B::Auto, "a refused setting changes nothing");
+        assert_eq!(
+            vime_kernels::attention_backend(),
+            B::Auto,
+            "a refused setting changes nothing"
+        );
     }
     // The CPU path never consults the backend: flash / auto give bit-identical results.
     let c = cu(&[5, 3]);

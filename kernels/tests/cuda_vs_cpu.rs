@@ -461,7 +461,11 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
             (0..=seqs as u32).map(|s| s * len as u32).collect::<Vec<_>>().into()
         };
         let tt = *cu.last().unwrap() as usize;
-        let len_tag = if len == 0 { "3000+1096".to_string() } else { format!("{seqs}x{len}") };
+        let len_tag = if len == 0 {
+            "3000+1096".to_string()
+        } else {
+            format!("{seqs}x{len}")
+        };
         let q = rng.randn(&[tt, 32, 128], 1.0, bf, &gpu)?;
         let k = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
         let v = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;

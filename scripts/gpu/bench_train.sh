@@ -10,7 +10,9 @@
 #
 #   scripts/gpu/bench_train.sh [OUT_DIR]
 #
-# Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT} and, for megatron, megatron-core 0.19.2
+# Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT} (vime-train built with --features cudnn
+# after `source scripts/gpu/cudnn-headers.sh`, as recorded in benches/results; a --features cuda
+# build runs vime's own flash attention) and, for megatron, megatron-core 0.19.2
 # importable or its wheel in .whl/ (installed here into /tmp/site; see the docstring of
 # bench_train_torch.py for fetching it). Settings (environment):
 #   MODELS="qwen3-4b qwen3-0.6b"  SEQS="4096"  RECOMPUTES="full none"

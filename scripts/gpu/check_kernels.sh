@@ -9,7 +9,9 @@
 # Needs gpu-carry/{device-env.sh, cuda_vs_cpu.xz, COMMIT} (and optionally flash_harness.xz, the
 # standalone attention harness, whose timings are then appended): the test binary of
 # kernels/tests/cuda_vs_cpu.rs, built here with
-#   cargo test --release -p vime-kernels --features cuda --test cuda_vs_cpu --no-run
+#   cargo test --release -p vime-kernels --features cudnn --test cuda_vs_cpu --no-run
+# (`--features cudnn` after `source scripts/gpu/cudnn-headers.sh` also checks cuDNN's attention;
+# `--features cuda` checks vime's own kernels only)
 # and the machine's python3 with torch. Ends with the verdict line of the correctness check.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/check_kernels_out}}

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu/hf_parity.sh [OUT_DIR]          (from the repo root, on the GPU machine)
 #
-# Needs gpu-carry/ (device-env.sh, vime-train.xz built with --features cuda, COMMIT) beside the
+# Needs gpu-carry/ (device-env.sh, vime-train.xz built with --features cuda, or cudnn for cuDNN attention, COMMIT) beside the
 # working tree, and the machine's python3 with torch + transformers. For Qwen3-0.6B and Qwen3-4B:
 # `hf_parity.py make` (random init, bf16 safetensors, a packed batch of 1024 + 768 + 256 tokens),
 # `vime-train grad --dtype bf16 --device cuda`, `hf_parity.py compare`. Ends with one verdict line.

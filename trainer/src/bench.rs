@@ -454,6 +454,8 @@ mod tests {
             "80 tokens per step: {tps} x {step}"
         );
         // -mean(logprob) of a random model over 97 ids is near ln(97) = 4.57.
+        assert_eq!(out["attention"], "cpu");
+        assert_eq!(out["cudnn_graphs"], 0);
         let loss = out["final_loss"].as_f64().unwrap();
         assert!((loss - 97f64.ln()).abs() < 0.5, "loss {loss}");
         let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();

