@@ -81,7 +81,7 @@ pub const CUDNN_BUILT: bool = cfg!(feature = "cudnn");
 /// Selects the attention kernel for the whole process (see [`AttentionBackend`]). `Fused` in a
 /// build without the `cudnn` feature is an error here rather than at the first forward.
 pub fn set_attention_backend(b: AttentionBackend) -> Result<()> {
-    if b == AttentionBackend::Fused && !cfg!(feature = "cudnn") {
+    if b == AttentionBackend::Fused && !CUDNN_BUILT {
         bail!("--attention-backend fused needs a build with the cudnn feature (cargo build --features cudnn)");
     }
     let v = match b {

@@ -93,6 +93,17 @@ fn addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(s: &CudaStorage, l
     Ok(p + (l.start_offset() * std::mem::size_of::<T>()) as u64)
 }
 
+/// A tensor (no autograd) over an f32 buffer these functions filled.
+fn f32_tensor(out: CudaSlice<f32>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
+}
+
 fn slice_addr<T>(s: &CudaSlice<T>, dev: &CudaDevice) -> u64 {
     let stream = dev.cuda_stream();
     let (p, _sync) = s.device_ptr(&stream);
@@ -642,10 +653,10 @@ const FLASH_BWD_THREADS: u32 = 128;
 const FLASH_BWD_SMEM: u32 = 107_520;
 
 /// The forward's softmax statistics, kept by the op for its backward: the flash kernel's
-/// log-sum-exp (`[H, Tq]` f32), or cuDNN's (`[Tq, H]` f32) when `.1` (the backward must then run
-/// on cuDNN too).
+/// log-sum-exp (`[H, Tq]` f32), or, with the forward's cuDNN plan in `.1`, cuDNN's (whose
+/// backward then runs on that same plan).
 #[derive(Default)]
-pub(crate) struct SavedLse(Mutex<Option<(CudaSlice<f32>, bool)>>);
+pub(crate) struct SavedLse(Mutex<Option<(CudaSlice<f32>, Option<crate::cudnn::Plan>)>>);
 
 /// The cuDNN plan for this call if the attention backend asks for cuDNN and the shape fits it;
 /// `None` runs the flash kernel. `--attention-backend fused` turns a refusal into an error,
@@ -654,7 +665,7 @@ pub(crate) struct SavedLse(Mutex<Option<(CudaSlice<f32>, bool)>>);
 fn cudnn_plan(cu_q: &[u32], cu_k: &[u32], h: usize, hkv: usize, d: usize) -> Result<Option<crate::cudnn::Plan>> {
     use crate::attention::{attention_backend, AttentionBackend};
     let backend = attention_backend();
-    if backend == AttentionBackend::Flash || CUDNN_OFF.load(std::sync::atomic::Ordering::Relaxed) {
+    if backend == AttentionBackend::Flash || cudnn_off() {
         return Ok(None);
     }
     match crate::cudnn::Plan::new(cu_q, cu_k, h, hkv, d) {
@@ -738,13 +749,13 @@ pub(crate) fn flash_fwd(
 ) -> Result<(CudaStorage, Shape)> {
     check_bf16("varlen_attention", &[q.dtype(), k.dtype(), v.dtype()])?;
     let dev = &q.device;
-    let (tq, h, _d) = (lq.dims()[0], lq.dims()[1], lq.dims()[2]);
+    let (tq, h) = (lq.dims()[0], lq.dims()[1]);
     let hkv = lk.dims()[1];
     let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
     let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
     #[cfg(feature = "cudnn")]
     if tq > 0 {
-        if let Some(plan) = cudnn_plan(cu_q, cu_k, h, hkv, _d)? {
+        if let Some(plan) = cudnn_plan(cu_q, cu_k, h, hkv, lq.dims()[2])? {
             let ptrs = crate::cudnn::Ptrs {
                 q: addr::<bf16>(q, lq, "varlen_attention")?,
                 k: addr::<bf16>(k, lk, "varlen_attention")?,
@@ -755,7 +766,7 @@ pub(crate) fn flash_fwd(
             };
             match crate::cudnn::run(dev, &plan, false, false, scale, &ptrs) {
                 Ok(()) => {
-                    *saved.0.lock().unwrap() = Some((lse, true));
+                    *saved.0.lock().unwrap() = Some((lse, Some(plan)));
                     return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()));
                 }
                 Err(e) => cudnn_failed(e)?,
@@ -791,7 +802,7 @@ pub(crate) fn flash_fwd(
             [&qp, &kp, &vp, &op, &lp, &cqp, &ckp, &tq_i, &h_i, &hkv_i, &scale_f]
         );
     }
-    *saved.0.lock().unwrap() = Some((lse, false));
+    *saved.0.lock().unwrap() = Some((lse, None));
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
 }
 
@@ -820,40 +831,34 @@ pub(crate) fn flash_bwd(
     let (tk, hkv) = (lk.dims()[0], lk.dims()[1]);
     let (nq, nk) = (tq * h * d, tk * hkv * d);
     let packed = dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?;
-    let g = seq_grid(cu_q, cu_k);
     let guard = saved.0.lock().unwrap();
-    let Some((lse, on_cudnn)) = guard.as_ref() else {
+    let Some((lse, plan)) = guard.as_ref() else {
         bail!("varlen_attention backward: no saved log-sum-exp (the forward did not run on CUDA)");
     };
-    if *on_cudnn && tq > 0 {
-        #[cfg(feature = "cudnn")]
-        {
-            let plan = crate::cudnn::Plan::new(cu_q, cu_k, h, hkv, d)
-                .map_err(|e| candle_core::Error::Msg(format!("varlen_attention backward: {}", e.0)))?;
-            let dqp = slice_addr(&packed, dev);
-            let ptrs = crate::cudnn::Ptrs {
-                q: addr::<bf16>(q, lq, "varlen_attention backward")?,
-                k: addr::<bf16>(k, lk, "varlen_attention backward")?,
-                v: addr::<bf16>(v, lv, "varlen_attention backward")?,
-                o: tensor_addr::<bf16>(out, "varlen_attention backward (output)")?,
-                stats: slice_addr(lse, dev),
-                dout: tensor_addr::<bf16>(dout, "varlen_attention backward (output gradient)")?,
-                dq: dqp,
-                dk: dqp + (nq * 2) as u64,
-                dv: dqp + ((nq + nk) * 2) as u64,
-            };
-            crate::cudnn::run(
-                dev,
-                &plan,
-                true,
-                crate::attention::deterministic_attention(),
-                scale,
-                &ptrs,
-            )?;
-        }
-        #[cfg(not(feature = "cudnn"))]
-        bail!("varlen_attention backward: the forward ran on cuDNN, which this build lacks");
-    } else if tq > 0 && tk > 0 {
+    #[cfg(feature = "cudnn")]
+    if let Some(plan) = plan {
+        let dqp = slice_addr(&packed, dev);
+        let ptrs = crate::cudnn::Ptrs {
+            q: addr::<bf16>(q, lq, "varlen_attention backward")?,
+            k: addr::<bf16>(k, lk, "varlen_attention backward")?,
+            v: addr::<bf16>(v, lv, "varlen_attention backward")?,
+            o: tensor_addr::<bf16>(out, "varlen_attention backward (output)")?,
+            stats: slice_addr(lse, dev),
+            dout: tensor_addr::<bf16>(dout, "varlen_attention backward (output gradient)")?,
+            dq: dqp,
+            dk: dqp + (nq * 2) as u64,
+            dv: dqp + ((nq + nk) * 2) as u64,
+        };
+        let det = crate::attention::deterministic_attention();
+        crate::cudnn::run(dev, plan, true, det, scale, &ptrs)?;
+        return Ok((
+            CudaStorage::wrap_cuda_slice(packed, dev.clone()),
+            Shape::from(nq + 2 * nk),
+        ));
+    }
+    debug_assert!(plan.is_none(), "a cuDNN plan without the cudnn feature");
+    if tq > 0 && tk > 0 {
+        let g = seq_grid(cu_q, cu_k);
         let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
         let (qp, kp, vp) = (
             addr::<bf16>(q, lq, "varlen_attention backward")?,
@@ -1044,13 +1049,7 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
         let blocks = vocab.min(132 * 16) as u32;
         launch!(dev, f, cfg(blocks, 256), [&gp, &op, &pp, &ip, &outp, &v_i, &d_i]);
     }
-    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(storage),
-        (vocab, d),
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
+    Ok(f32_tensor(out, &dev, (vocab, d)))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1122,13 +1121,7 @@ pub(crate) fn weight_grad_f32(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
         // Column-major view: C^T [d, n] = X^T-as-stored [d, t] . (dY-as-stored [n, t])^T.
         unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, 0.0, cp, true, d)? };
     }
-    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(storage),
-        (n, d),
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
+    Ok(f32_tensor(out, &dev, (n, d)))
 }
 
 /// `acc += a . w` in place, bf16: `acc: [T, D]` (owned by the caller, not shared), `a: [T, I]`,

@@ -341,6 +341,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     let (fb, optim, step) = (median(&mut fb), median(&mut optim), median(&mut total));
     let tps = tokens_per_step / step;
     let tflops = tps * fpt / 1e12;
+    let (graphs, build_s) = vime_kernels::cudnn_graph_stats();
     let out = serde_json::json!({
         "system": "vime",
         "model": args.model,
@@ -349,8 +350,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "recompute": args.recompute,
         "attention": if device.is_cuda() { vime_kernels::cuda_attention_kernel() } else { "cpu" },
         "deterministic_mode": args.deterministic_mode,
-        "cudnn_graphs": vime_kernels::cudnn_graph_stats().0,
-        "cudnn_graph_build_s": vime_kernels::cudnn_graph_stats().1,
+        "cudnn_graphs": graphs,
+        "cudnn_graph_build_s": build_s,
         "seq_len": args.seq_len,
         "tokens_per_micro_batch": args.max_tokens_per_gpu,
         "micro_batches": args.micro_batches,
@@ -382,7 +383,6 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         100.0 * tflops / 790.0,
         peak as f64 / (1u64 << 30) as f64
     );
-    let (graphs, build_s) = vime_kernels::cudnn_graph_stats();
     if graphs > 0 {
         println!("cuDNN attention: {graphs} graphs built, {build_s:.2} s of host time (warm-up included)");
     }
