@@ -10,6 +10,10 @@
 //! - Shapes are PyTorch `nn.Linear` layout, `[out_features, in_features]`.
 //! - With `attention_bias`, q, k, v AND o_proj get a bias: transformers' `Qwen3Attention` builds
 //!   all four with `bias=config.attention_bias` (unlike Qwen2, whose o_proj never has one).
+//! - Each parameter carries its tensor-parallel [`Placement`] (Megatron's: column-parallel q/k/v
+//!   and gate/up, their biases split with them; row-parallel o/down, whose bias stays replicated
+//!   and is added once after the reduction; vocab-parallel embeddings and `lm_head`; norms
+//!   replicated). Only data for now: the layout table (`vime_dist::layout`) reads it.
 //! - Checked against `Qwen3ForCausalLM(config).state_dict()` of transformers 5.17 (names and
 //!   shapes, with and without `attention_bias`). A tied model's `state_dict()` still lists
 //!   `lm_head.weight` (the shared tensor) but `save_pretrained` does not write it.
@@ -39,19 +43,34 @@ impl ParamKind {
     }
 }
 
+/// How tensor parallelism splits a parameter across the TP ranks (shapes as in [`ParamSpec`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Every TP rank holds the whole tensor (norm gains, o_proj's bias).
+    Replicated,
+    /// Split along dim 0, the output features (q/k/v, gate/up weights; q/k/v biases).
+    Column,
+    /// Split along dim 1, the input features (o_proj, down_proj weights).
+    Row,
+    /// Split along dim 0, the vocabulary (embed_tokens, lm_head).
+    Vocab,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub kind: ParamKind,
+    pub placement: Placement,
 }
 
 impl ParamSpec {
-    fn new(name: impl Into<String>, shape: &[usize], kind: ParamKind) -> Self {
+    fn new(name: impl Into<String>, shape: &[usize], kind: ParamKind, placement: Placement) -> Self {
         ParamSpec {
             name: name.into(),
             shape: shape.to_vec(),
             kind,
+            placement,
         }
     }
 
@@ -73,41 +92,73 @@ pub fn layer_prefix(i: usize) -> String {
 /// The parameters of decoder layer `i`, in canonical order.
 pub fn layer_param_specs(cfg: &Qwen3Config, i: usize) -> Vec<ParamSpec> {
     use ParamKind::*;
+    use Placement::*;
     let p = layer_prefix(i);
     let (h, im, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
     let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
-    let mut v = vec![ParamSpec::new(format!("{p}.input_layernorm.weight"), &[h], NormWeight)];
-    for (proj, out, inp) in [("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)] {
+    let mut v = vec![ParamSpec::new(
+        format!("{p}.input_layernorm.weight"),
+        &[h],
+        NormWeight,
+        Replicated,
+    )];
+    // (projection, out, in, weight placement, bias placement)
+    for (proj, out, inp, wp, bp) in [
+        ("q_proj", q, h, Column, Column),
+        ("k_proj", kv, h, Column, Column),
+        ("v_proj", kv, h, Column, Column),
+        ("o_proj", h, q, Row, Replicated),
+    ] {
         v.push(ParamSpec::new(
             format!("{p}.self_attn.{proj}.weight"),
             &[out, inp],
             LinearWeight,
+            wp,
         ));
         if cfg.attention_bias {
-            v.push(ParamSpec::new(format!("{p}.self_attn.{proj}.bias"), &[out], LinearBias));
+            v.push(ParamSpec::new(
+                format!("{p}.self_attn.{proj}.bias"),
+                &[out],
+                LinearBias,
+                bp,
+            ));
         }
     }
-    v.push(ParamSpec::new(format!("{p}.self_attn.q_norm.weight"), &[d], NormWeight));
-    v.push(ParamSpec::new(format!("{p}.self_attn.k_norm.weight"), &[d], NormWeight));
+    v.push(ParamSpec::new(
+        format!("{p}.self_attn.q_norm.weight"),
+        &[d],
+        NormWeight,
+        Replicated,
+    ));
+    v.push(ParamSpec::new(
+        format!("{p}.self_attn.k_norm.weight"),
+        &[d],
+        NormWeight,
+        Replicated,
+    ));
     v.push(ParamSpec::new(
         format!("{p}.post_attention_layernorm.weight"),
         &[h],
         NormWeight,
+        Replicated,
     ));
     v.push(ParamSpec::new(
         format!("{p}.mlp.gate_proj.weight"),
         &[im, h],
         LinearWeight,
+        Column,
     ));
     v.push(ParamSpec::new(
         format!("{p}.mlp.up_proj.weight"),
         &[im, h],
         LinearWeight,
+        Column,
     ));
     v.push(ParamSpec::new(
         format!("{p}.mlp.down_proj.weight"),
         &[h, im],
         LinearWeight,
+        Row,
     ));
     v
 }
@@ -115,13 +166,28 @@ pub fn layer_param_specs(cfg: &Qwen3Config, i: usize) -> Vec<ParamSpec> {
 /// Every parameter of `Qwen3ForCausalLM` for `cfg`, in canonical order.
 pub fn param_specs(cfg: &Qwen3Config) -> Vec<ParamSpec> {
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-    let mut specs = vec![ParamSpec::new(EMBED_TOKENS, &[v, h], ParamKind::Embedding)];
+    let mut specs = vec![ParamSpec::new(
+        EMBED_TOKENS,
+        &[v, h],
+        ParamKind::Embedding,
+        Placement::Vocab,
+    )];
     for i in 0..cfg.num_hidden_layers {
         specs.extend(layer_param_specs(cfg, i));
     }
-    specs.push(ParamSpec::new(FINAL_NORM, &[h], ParamKind::NormWeight));
+    specs.push(ParamSpec::new(
+        FINAL_NORM,
+        &[h],
+        ParamKind::NormWeight,
+        Placement::Replicated,
+    ));
     if !cfg.tie_word_embeddings {
-        specs.push(ParamSpec::new(LM_HEAD, &[v, h], ParamKind::LinearWeight));
+        specs.push(ParamSpec::new(
+            LM_HEAD,
+            &[v, h],
+            ParamKind::LinearWeight,
+            Placement::Vocab,
+        ));
     }
     specs
 }
