@@ -202,57 +202,44 @@ impl AdamW {
         }
 
         let t = self.num_steps + 1;
-        let bias_correction1 = 1.0 - self.beta1.powf(t as f64);
-        let bias_correction2_sqrt = (1.0 - self.beta2.powf(t as f64)).sqrt();
-        let step_size = lr / bias_correction1;
-        let (beta1, beta2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
+        let c = StepConsts::new(self.beta1, self.beta2, self.eps, self.weight_decay, t, lr, grad_scale);
         for p in self.params.iter_mut() {
             #[cfg(feature = "cuda")]
             if fused_cuda(p) {
-                let decay = if p.weight_decay { lr * wd } else { 0.0 };
-                let c = vime_kernels::cuda::AdamConsts {
-                    keep: (1.0 - decay) as f32,
-                    one_m_b1: (1.0 - beta1) as f32,
-                    b2: beta2 as f32,
-                    one_m_b2: (1.0 - beta2) as f32,
-                    inv_bc2: (1.0 / bias_correction2_sqrt) as f32,
-                    eps: eps as f32,
-                    neg_step: (-step_size) as f32,
-                    decay: (decay != 0.0) as i32,
-                    grad_scale: grad_scale.unwrap_or(1.0) as f32,
-                    scale: grad_scale.is_some() as i32,
-                };
-                let g = grads[&p.name].contiguous()?;
-                let g = match g.dtype() {
-                    DType::F32 | DType::BF16 => g,
-                    _ => g.to_dtype(DType::F32)?,
-                };
                 let model = p.var.as_tensor();
                 let res = match &p.master {
-                    Some(m) => vime_kernels::cuda::adamw_update(m, &g, &p.exp_avg, &p.exp_avg_sq, Some(model), c),
-                    None => vime_kernels::cuda::adamw_update(model, &g, &p.exp_avg, &p.exp_avg_sq, None, c),
+                    Some(m) => update_fused(
+                        m,
+                        &grads[&p.name],
+                        &p.exp_avg,
+                        &p.exp_avg_sq,
+                        Some(model),
+                        p.weight_decay,
+                        &c,
+                    ),
+                    None => update_fused(
+                        model,
+                        &grads[&p.name],
+                        &p.exp_avg,
+                        &p.exp_avg_sq,
+                        None,
+                        p.weight_decay,
+                        &c,
+                    ),
                 };
                 res.with_context(|| format!("fused AdamW update of {}", p.name))?;
                 continue;
             }
             let name = p.name.clone();
-            let update = || -> Result<(Tensor, Tensor, Tensor)> {
-                let mut g = grads[&p.name].to_dtype(DType::F32)?.to_device(p.var.device())?;
-                if let Some(s) = grad_scale {
-                    g = g.affine(s, 0.0)?;
-                }
-                let mut master = p.master();
-                let decay = if p.weight_decay { lr * wd } else { 0.0 };
-                if decay != 0.0 {
-                    master = master.affine(1.0 - decay, 0.0)?;
-                }
-                let exp_avg = ((&g - &p.exp_avg)?.affine(1.0 - beta1, 0.0)? + &p.exp_avg)?;
-                let exp_avg_sq = (p.exp_avg_sq.affine(beta2, 0.0)? + (g.affine(1.0 - beta2, 0.0)? * &g)?)?;
-                let denom = (exp_avg_sq.sqrt()? / bias_correction2_sqrt)?.affine(1.0, eps)?;
-                let master = ((exp_avg.affine(-step_size, 0.0)? / denom)? + master)?;
-                Ok((master, exp_avg, exp_avg_sq))
-            };
-            let (master, exp_avg, exp_avg_sq) = update().with_context(|| format!("AdamW update of {name}"))?;
+            let (master, exp_avg, exp_avg_sq) = update(
+                &grads[&p.name],
+                p.master(),
+                &p.exp_avg,
+                &p.exp_avg_sq,
+                p.weight_decay,
+                &c,
+            )
+            .with_context(|| format!("AdamW update of {name}"))?;
             write_model(&p.var, &master).with_context(|| format!("writing {name} into the model"))?;
             if p.master.is_some() {
                 p.master = Some(master);
@@ -344,6 +331,115 @@ impl AdamW {
         self.num_steps = num_steps;
         Ok(())
     }
+}
+
+/// The scalars of step `t` (1-based) of AdamW, shared by [`AdamW`] and the ZeRO-1
+/// `DistributedAdamW`, so both run the same f32 operations on every element.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepConsts {
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    /// `lr * weight_decay`, applied to parameters that decay.
+    lr_wd: f64,
+    bias_correction2_sqrt: f64,
+    step_size: f64,
+    grad_scale: Option<f64>,
+}
+
+impl StepConsts {
+    pub(crate) fn new(
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        t: u64,
+        lr: f64,
+        grad_scale: Option<f64>,
+    ) -> Self {
+        let bias_correction1 = 1.0 - beta1.powf(t as f64);
+        let bias_correction2_sqrt = (1.0 - beta2.powf(t as f64)).sqrt();
+        StepConsts {
+            beta1,
+            beta2,
+            eps,
+            lr_wd: lr * weight_decay,
+            bias_correction2_sqrt,
+            step_size: lr / bias_correction1,
+            grad_scale,
+        }
+    }
+
+    fn decay(&self, weight_decay: bool) -> f64 {
+        if weight_decay {
+            self.lr_wd
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One AdamW update of one tensor as new tensors: `(master, exp_avg, exp_avg_sq)` from the
+/// gradient `g` (any float dtype, any device; cast to f32 on the master's device and scaled by
+/// `c.grad_scale` first) and the f32 state.
+pub(crate) fn update(
+    g: &Tensor,
+    master: Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    weight_decay: bool,
+    c: &StepConsts,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let mut g = g.to_dtype(DType::F32)?.to_device(master.device())?;
+    if let Some(s) = c.grad_scale {
+        g = g.affine(s, 0.0)?;
+    }
+    let mut master = master;
+    let decay = c.decay(weight_decay);
+    if decay != 0.0 {
+        master = master.affine(1.0 - decay, 0.0)?;
+    }
+    let exp_avg = ((&g - exp_avg)?.affine(1.0 - c.beta1, 0.0)? + exp_avg)?;
+    let exp_avg_sq = (exp_avg_sq.affine(c.beta2, 0.0)? + (g.affine(1.0 - c.beta2, 0.0)? * &g)?)?;
+    let denom = (exp_avg_sq.sqrt()? / c.bias_correction2_sqrt)?.affine(1.0, c.eps)?;
+    let master = ((exp_avg.affine(-c.step_size, 0.0)? / denom)? + master)?;
+    Ok((master, exp_avg, exp_avg_sq))
+}
+
+/// [`update`] in place on CUDA with the fused kernel (same f32 operations, same order):
+/// `master`, `exp_avg`, `exp_avg_sq` are f32 and contiguous (offsets allowed); `model`, when
+/// given, is a bf16 tensor of the same shape that receives the rounded master.
+#[cfg(feature = "cuda")]
+pub(crate) fn update_fused(
+    master: &Tensor,
+    g: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    model: Option<&Tensor>,
+    weight_decay: bool,
+    c: &StepConsts,
+) -> Result<()> {
+    let decay = c.decay(weight_decay);
+    let k = vime_kernels::cuda::AdamConsts {
+        keep: (1.0 - decay) as f32,
+        one_m_b1: (1.0 - c.beta1) as f32,
+        b2: c.beta2 as f32,
+        one_m_b2: (1.0 - c.beta2) as f32,
+        inv_bc2: (1.0 / c.bias_correction2_sqrt) as f32,
+        eps: c.eps as f32,
+        neg_step: (-c.step_size) as f32,
+        decay: (decay != 0.0) as i32,
+        grad_scale: c.grad_scale.unwrap_or(1.0) as f32,
+        scale: c.grad_scale.is_some() as i32,
+    };
+    let g = g.contiguous()?;
+    let g = match g.dtype() {
+        DType::F32 | DType::BF16 => g,
+        _ => g.to_dtype(DType::F32)?,
+    };
+    Ok(vime_kernels::cuda::adamw_update(
+        master, &g, exp_avg, exp_avg_sq, model, k,
+    )?)
 }
 
 /// Whether `p` takes the fused CUDA AdamW kernel: a CUDA parameter held in bf16 (separate f32
