@@ -30,10 +30,12 @@
 mod adamw;
 mod grads;
 mod schedule;
+mod zero;
 
 pub use adamw::{megatron_weight_decay, AdamW, StepStats};
 pub use grads::{clip_coefficient, clip_grad_norm, global_grad_norm, GradAccumulator, NonFiniteGradNorm};
 pub use schedule::{LrDecayStyle, LrScheduler, WsdDecayStyle};
+pub use zero::{qwen3_layout, replicated_layout, DistributedAdamW, ZeroStepStats, SHARD_ALIGN};
 
 use serde::{Deserialize, Serialize};
 
