@@ -74,6 +74,21 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    // `--nproc-per-node N` in a process that is not itself a rank: start N ranks of the same
+    // command line (without that flag) and wait for them.
+    if let (None, Some(n)) = (&cli.cmd, cli.train.parallel.nproc_per_node) {
+        // (A process that already has torchrun's environment is a rank: it runs.)
+        if std::env::var_os("RANK").is_none() {
+            let code = match launch(n) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("vime-train: error: {e:#}");
+                    1
+                }
+            };
+            std::process::exit(code);
+        }
+    }
     let code = match run(cli) {
         Ok(code) => code,
         Err(e) => {
@@ -82,6 +97,23 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+/// The launcher: this program's own arguments minus `--nproc-per-node N`, run as N local ranks.
+fn launch(nproc: usize) -> Result<()> {
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut it = std::env::args_os().skip(1);
+    while let Some(a) = it.next() {
+        match a.to_str() {
+            Some("--nproc-per-node") => {
+                it.next();
+            }
+            Some(s) if s.starts_with("--nproc-per-node=") => {}
+            _ => args.push(a),
+        }
+    }
+    let program = std::env::current_exe().context("finding this program's path to start the ranks")?;
+    vime_dist::launch::spawn_local(nproc, &program, &args)
 }
 
 fn run(cli: Cli) -> Result<i32> {

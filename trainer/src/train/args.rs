@@ -126,6 +126,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub recompute_granularity: Option<String>,
 
+    // ---- parallelism ---------------------------------------------------------------------
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+
     // ---- eval ----------------------------------------------------------------------------
     /// Evaluate every N rollouts (and before the first one).
     #[arg(long)]
@@ -160,6 +164,82 @@ pub struct TrainArgs {
     /// vime, for tests: stop (as if killed) after this many rollouts of this process.
     #[arg(long, hide = true)]
     pub exit_after_rollouts: Option<u64>,
+}
+
+/// How the run is spread over processes (Megatron's flag names; see `crate::train::parallel`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ParallelArgs {
+    /// vime (torchrun's flag): start N local ranks of this same command line, one process per
+    /// GPU (`cuda:LOCAL_RANK`) or per CPU rank, and wait for them. Without it a process that finds
+    /// torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    /// MASTER_PORT) joins that world, so `torchrun --no-python --nproc-per-node N vime-train ...`
+    /// and Slurm's `srun` work too.
+    #[arg(long)]
+    pub nproc_per_node: Option<usize>,
+    /// Megatron's flag (`--tp`): tensor-parallel size. Only 1 yet (tensor parallelism is its own
+    /// issue); larger values are refused with an error.
+    #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", default_value_t = 1)]
+    pub tensor_model_parallel_size: usize,
+    /// Megatron's flag (`--cp`): context-parallel size. Only 1 yet (its own issue).
+    #[arg(long = "context-parallel-size", visible_alias = "cp", default_value_t = 1)]
+    pub context_parallel_size: usize,
+    /// Megatron's flag (`--dp`): derived as world size / (tp x cp); when given, it must agree.
+    #[arg(long = "data-parallel-size", visible_alias = "dp")]
+    pub data_parallel_size: Option<usize>,
+    /// Megatron's flag: ZeRO-1, the optimizer state (fp32 master weights and Adam moments) sharded
+    /// over the data-parallel ranks, gradients reduce-scattered, parameters all-gathered. Always on
+    /// in vime (at DP = 1 the one shard is everything, and it costs nothing); the flag is accepted
+    /// so Megatron and slime scripts run unchanged.
+    #[arg(long)]
+    pub use_distributed_optimizer: bool,
+    /// Megatron's flag: collectives backend, `auto` (NCCL on CUDA devices, else cpu), `nccl`, or
+    /// `cpu` (TCP between processes on one machine; `gloo` is accepted as its name).
+    #[arg(long, default_value = "auto")]
+    pub distributed_backend: String,
+    /// Megatron's flag: how long a collective or the rendezvous may wait for the other ranks.
+    #[arg(long, default_value_t = 10.0)]
+    pub distributed_timeout_minutes: f64,
+    /// slime's flag: split each optimizer step's samples over the data-parallel ranks by
+    /// Karmarkar-Karp on token counts (equal sample counts per rank) instead of round-robin.
+    #[arg(long)]
+    pub balance_data: bool,
+}
+
+impl ParallelArgs {
+    /// The checks that need no other process; each error names the flag.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(n) = self.nproc_per_node {
+            ensure!(n >= 1, "--nproc-per-node must be at least 1");
+        }
+        ensure!(
+            self.tensor_model_parallel_size >= 1 && self.context_parallel_size >= 1,
+            "--tensor-model-parallel-size and --context-parallel-size must be at least 1"
+        );
+        ensure!(
+            self.tensor_model_parallel_size == 1,
+            "--tensor-model-parallel-size {} is not supported yet: vime has data parallelism (and ZeRO-1) so far; \
+             tensor and sequence parallelism are the next step",
+            self.tensor_model_parallel_size
+        );
+        ensure!(
+            self.context_parallel_size == 1,
+            "--context-parallel-size {} is not supported yet: vime has data parallelism (and ZeRO-1) so far",
+            self.context_parallel_size
+        );
+        if let Some(d) = self.data_parallel_size {
+            ensure!(d >= 1, "--data-parallel-size must be at least 1");
+        }
+        match self.distributed_backend.as_str() {
+            "auto" | "nccl" | "cpu" | "gloo" => {}
+            other => bail!("--distributed-backend {other:?}: expected auto, nccl or cpu (gloo)"),
+        }
+        ensure!(
+            self.distributed_timeout_minutes.is_finite() && self.distributed_timeout_minutes > 0.0,
+            "--distributed-timeout-minutes must be positive, got {}",
+            self.distributed_timeout_minutes
+        );
+        Ok(())
+    }
 }
 
 /// One `--eval-prompt-data` set.
@@ -240,6 +320,7 @@ impl TrainArgs {
     /// Every check that can run before anything is loaded; each error names the flag.
     pub fn validate(&self) -> Result<()> {
         self.rl.validate()?;
+        self.parallel.validate()?;
         self.optim.validate()?;
         ensure!(self.rollout_batch_size > 0, "--rollout-batch-size must be positive");
         ensure!(self.n_samples_per_prompt > 0, "--n-samples-per-prompt must be positive");

@@ -30,19 +30,20 @@
 pub mod args;
 mod engine;
 pub mod eval;
+pub mod parallel;
 pub mod step;
 mod ui;
 
-pub use args::{EvalSet, LossType, TrainArgs};
+pub use args::{EvalSet, LossType, ParallelArgs, TrainArgs};
 pub use engine::Engine;
 pub use step::Sample;
 
 use crate::batching::MicroBatchPolicy;
 use crate::ckpt::{self, CheckpointContents, DataCursor, TrainState};
 use crate::critic::{Critic, ReferenceModel};
-use crate::device::{parse_device, parse_dtype};
+use crate::device::parse_dtype;
 use crate::metrics::{plot_metrics_file, MetricsLogger};
-use crate::optim::{AdamW, LrScheduler, OptimizerArgs};
+use crate::optim::{DistributedAdamW, LrScheduler, OptimizerArgs};
 use crate::rl::{compute_advantages_and_returns, post_process_rewards, AdvantageInputs, NoAllReduce};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
@@ -50,6 +51,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use step::{PolicyData, StepConfig, StepReport};
 use ui::Ui;
+use vime_dist::World;
+use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::model::{Qwen3, Recompute};
 use vime_rollout::data::{PromptDataset, PromptSample, Tokenizer};
 use vime_rollout::engine::{FinishReason, GenOutput, GenRequest, SamplingParams};
@@ -96,15 +99,18 @@ struct Run<'a> {
     tokenizer_dir: PathBuf,
     eos_ids: Vec<u32>,
     policy: Qwen3,
-    opt: AdamW,
+    opt: DistributedAdamW,
     sched: LrScheduler,
     reference: Option<ReferenceModel>,
-    critic: Option<(Critic, AdamW, LrScheduler)>,
+    critic: Option<(Critic, DistributedAdamW, LrScheduler)>,
     dataset: PromptDataset,
     eval_sets: Vec<(String, PromptDataset)>,
     reward: Option<RewardModel>,
     rt: tokio::runtime::Runtime,
-    engine: Engine,
+    /// The rollout engine: rank 0's alone.
+    engine: Option<Engine>,
+    /// This process's rank and its groups (a single rank without torchrun's environment).
+    world: World,
     state: TrainState,
     micro_batches: MicroBatchPolicy,
     recompute: Recompute,
@@ -115,8 +121,20 @@ struct Run<'a> {
 pub fn run(args: &TrainArgs) -> Result<RunSummary> {
     args.validate()?;
     ui::install_interrupt_handler();
-    let mut run = Run::setup(args)?;
-    run.main_loop()
+    let (world, device, backend) = parallel::join_world(&args.parallel, &args.device)?;
+    let mut run = Run::setup(args, world, device, backend)?;
+    match run.main_loop() {
+        Ok(summary) => {
+            run.world.finish()?;
+            Ok(summary)
+        }
+        Err(e) => {
+            // No goodbye: the other ranks' watchdogs report this rank as failed and exit, instead
+            // of waiting in their next collective.
+            run.world.abandon();
+            Err(e)
+        }
+    }
 }
 
 fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
@@ -124,11 +142,28 @@ fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
 }
 
 impl<'a> Run<'a> {
-    fn setup(args: &'a TrainArgs) -> Result<Self> {
+    fn setup(args: &'a TrainArgs, world: World, device: candle_core::Device, backend: &str) -> Result<Self> {
         crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
-        let device = parse_device(&args.device)?;
         let dtype = parse_dtype(&args.dtype)?;
-        let ui = Ui::new(args.no_progress);
+        let rank0 = world.rank() == 0;
+        let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };
+        if world.size() > 1 {
+            let d = world.dims();
+            ui.log(&format!(
+                "parallel: {} ranks (dp {} x tp {} x cp {}), {} backend, ZeRO-1 optimizer over dp",
+                world.size(),
+                d.dp,
+                d.tp,
+                d.cp,
+                backend
+            ));
+        }
+        let g = args.global_batch_size_resolved();
+        ensure!(
+            g >= world.dims().dp,
+            "--global-batch-size {g} is smaller than the data-parallel size {}: every rank needs a sample per step",
+            world.dims().dp
+        );
 
         let resumed = match &args.load {
             Some(root) => ckpt::load_latest(root, &device)
@@ -156,7 +191,7 @@ impl<'a> Run<'a> {
             tokenizer.vocab_size(),
             cfg.vocab_size
         );
-        let mut opt = AdamW::new(policy.named_parameters(), &args.optim)?;
+        let mut opt = DistributedAdamW::new(policy.named_parameters(), &args.optim, &**world.dp())?;
         let sched = LrScheduler::new(&args.optim)?;
 
         let mut state = TrainState {
@@ -168,7 +203,7 @@ impl<'a> Run<'a> {
             ..Default::default()
         };
         if let Some(l) = &resumed {
-            opt.load_state_tensors(&l.optimizer, l.state.optimizer_step)
+            opt.load_state_tensors(&l.optimizer, l.state.optimizer_step, &**world.dp())
                 .with_context(|| format!("loading the optimizer state of {}", l.dir.display()))?;
             state = l.state.clone();
             ui.log(&format!(
@@ -212,7 +247,7 @@ impl<'a> Run<'a> {
                 lr: args.critic_lr.unwrap_or(args.optim.lr),
                 ..args.optim.clone()
             };
-            let mut copt = AdamW::new(&critic.named_parameters(), &critic_args)?;
+            let mut copt = DistributedAdamW::new(&critic.named_parameters(), &critic_args, &**world.dp())?;
             if let Some(l) = &resumed {
                 if !l.critic_optimizer.is_empty() {
                     let steps = l
@@ -221,7 +256,7 @@ impl<'a> Run<'a> {
                         .get("critic_optimizer_step")
                         .and_then(|v| v.as_u64())
                         .unwrap_or(0);
-                    copt.load_state_tensors(&l.critic_optimizer, steps)?;
+                    copt.load_state_tensors(&l.critic_optimizer, steps, &**world.dp())?;
                 }
             }
             Some((critic, copt, LrScheduler::new(&critic_args)?))
@@ -264,7 +299,8 @@ impl<'a> Run<'a> {
             }
         }
         let engine = match args.rollout_engine.as_str() {
-            "embedded" => Engine::embedded(&policy, eos_ids.clone(), args.seed)?,
+            _ if !rank0 => None,
+            "embedded" => Some(Engine::embedded(&policy, eos_ids.clone(), args.seed)?),
             _ => {
                 let sync_dir = args
                     .save
@@ -275,7 +311,7 @@ impl<'a> Run<'a> {
                 if resumed.is_some() {
                     e.sync_weights(&policy, &tokenizer_dir)?;
                 }
-                e
+                Some(e)
             }
         };
 
@@ -318,6 +354,7 @@ impl<'a> Run<'a> {
             reward,
             rt,
             engine,
+            world,
             state,
             micro_batches,
             recompute,
@@ -325,8 +362,18 @@ impl<'a> Run<'a> {
         })
     }
 
+    /// Where metrics and plots go: rank 0 writes them, the other ranks nothing.
     fn log_dir(&self) -> Option<PathBuf> {
+        if self.world.rank() != 0 {
+            return None;
+        }
         self.args.log_dir.clone().or_else(|| self.args.save.clone())
+    }
+
+    /// Ctrl-C, agreed by every rank at a step boundary: all stop at the same point, none is left
+    /// waiting in a collective.
+    fn interrupted(&self) -> Result<bool> {
+        self.world.agree_any(interrupted())
     }
 
     fn main_loop(&mut self) -> Result<RunSummary> {
@@ -378,7 +425,7 @@ impl<'a> Run<'a> {
         let bar = self.ui.main_bar(num_rollout, self.state.step);
         let mut save_time = None;
         while self.state.step < num_rollout {
-            if interrupted() {
+            if self.interrupted()? {
                 summary.interrupted = true;
                 break;
             }
@@ -403,15 +450,15 @@ impl<'a> Run<'a> {
             let due = |interval: Option<u64>| interval.is_some_and(|i| step.is_multiple_of(i)) || step == num_rollout;
             let eval_now = args.eval_interval.is_some() && due(args.eval_interval);
             // Weight sync: the engine samples the next rollout (RL) or this evaluation.
-            if args.loss_type == LossType::PolicyLoss || eval_now {
+            if let (Some(engine), true) = (&self.engine, args.loss_type == LossType::PolicyLoss || eval_now) {
                 let t = Instant::now();
-                let bytes = self.engine.sync_weights(&self.policy, &self.tokenizer_dir)?;
+                let bytes = engine.sync_weights(&self.policy, &self.tokenizer_dir)?;
                 let dt = t.elapsed().as_secs_f64();
                 m.insert("perf/sync_time".into(), dt);
                 m.insert("perf/sync_gb_per_s".into(), bytes as f64 / 1e9 / dt.max(1e-9));
             }
             if eval_now {
-                if interrupted() {
+                if self.interrupted()? {
                     summary.interrupted = true;
                 } else {
                     let t = Instant::now();
@@ -500,13 +547,22 @@ impl<'a> Run<'a> {
         }
     }
 
+    /// Every rank calls it (the optimizer state is gathered from the data-parallel shards);
+    /// rank 0 writes the checkpoint, the others wait for it.
     fn save(&mut self) -> Result<PathBuf> {
         let root = self.args.save.clone().context("internal: save without --save")?;
-        let optimizer = self.opt.state_tensors()?;
+        let optimizer = self.opt.state_tensors(&**self.world.dp())?;
         let critic_state = match &self.critic {
-            Some((_, copt, _)) => Some(copt.state_tensors()?),
+            Some((_, copt, _)) => Some(copt.state_tensors(&**self.world.dp())?),
             None => None,
         };
+        if self.world.rank() != 0 {
+            self.world
+                .world()
+                .barrier()
+                .context("waiting for rank 0 to write the checkpoint")?;
+            return Ok(root.join(ckpt::iter_dir_name(self.state.step)));
+        }
         let extra = BTreeMap::new();
         let contents = CheckpointContents {
             state: &self.state,
@@ -520,7 +576,10 @@ impl<'a> Run<'a> {
                 _ => None,
             },
         };
-        let dir = ckpt::save(&root, &contents)?;
+        let dir = ckpt::save(&root, &contents);
+        // The other ranks wait here for the files; a failed save is still rank 0's error.
+        self.world.world().barrier().context("checkpoint barrier")?;
+        let dir = dir?;
         self.ui.log(&format!("saved {}", dir.display()));
         Ok(dir)
     }
@@ -590,7 +649,8 @@ impl<'a> Run<'a> {
                 owners.push(p);
             }
         }
-        let outputs = self.engine.generate(&requests).context("generating the rollout")?;
+        let engine = self.engine.as_ref().context("internal: only rank 0 generates")?;
+        let outputs = engine.generate(&requests).context("generating the rollout")?;
         ensure!(
             outputs.len() == requests.len(),
             "the engine returned {} completions for {} requests",
@@ -676,11 +736,15 @@ impl<'a> Run<'a> {
         // Rollout.
         let t = Instant::now();
         let phase = self.ui.spinner(if is_rl { "rollout" } else { "batch" });
-        let samples = if is_rl {
-            self.generate_samples(&prompts, rollout_id)?
-        } else {
-            self.sft_samples(&prompts)?
-        };
+        // Rank 0 generates (or builds the SFT samples) and sends them to every rank.
+        let mine = (self.world.rank() == 0).then(|| {
+            if is_rl {
+                self.generate_samples(&prompts, rollout_id)
+            } else {
+                self.sft_samples(&prompts)
+            }
+        });
+        let samples = parallel::broadcast_samples(&**self.world.world(), mine)?;
         phase.finish_and_clear();
         let rollout_time = t.elapsed().as_secs_f64();
         let gen_tokens: usize = samples.iter().map(|s| s.response_length).sum();
@@ -711,15 +775,21 @@ impl<'a> Run<'a> {
         let n = samples.len();
         let spinner = self.ui.spinner("log-probs");
         let (old_logp, ref_logp, values) = if is_rl {
-            let old = step::score_responses(&samples, self.micro_batches, |b| {
-                Ok(self.policy.logprobs_entropy(b)?.logprobs)
-            })?;
+            // Each data-parallel rank scores its share; every rank gets all of them back.
+            let (dp, mbs, balance) = (&**self.world.dp(), self.micro_batches, args.parallel.balance_data);
+            let lengths: Vec<usize> = samples.iter().map(|s| s.tokens.len()).collect();
+            let split = |f: &dyn Fn(&PackedBatch) -> Result<candle_core::Tensor>| {
+                parallel::score_split(dp, &lengths, balance, |idx| {
+                    step::score_responses(&samples, idx, mbs, f)
+                })
+            };
+            let old = split(&|b| Ok(self.policy.logprobs_entropy(b)?.logprobs))?;
             let reference = match &self.reference {
-                Some(r) => Some(step::score_responses(&samples, self.micro_batches, |b| r.logprobs(b))?),
+                Some(r) => Some(split(&|b| r.logprobs(b))?),
                 None => None,
             };
             let values = match &self.critic {
-                Some((c, _, _)) => Some(step::score_responses(&samples, self.micro_batches, |b| c.values(b))?),
+                Some((c, _, _)) => Some(split(&|b| c.values(b))?),
                 None => None,
             };
             (old, reference, values)
@@ -808,6 +878,8 @@ impl<'a> Run<'a> {
             micro_batches: self.micro_batches,
             recompute: self.recompute,
             clip_grad: args.optim.clip_grad,
+            dp: &**self.world.dp(),
+            balance_data: args.parallel.balance_data,
         };
         for s in 0..steps {
             let idx: Vec<usize> = (s * g..(s + 1) * g).collect();
@@ -838,7 +910,7 @@ impl<'a> Run<'a> {
                 reports.push(r);
             }
             bar.inc(1);
-            if interrupted() {
+            if self.world.agree_any(interrupted())? {
                 break;
             }
         }
@@ -865,6 +937,10 @@ impl<'a> Run<'a> {
         let top_p = args.eval_top_p.unwrap_or(args.rollout_top_p);
         let max_tokens = args.eval_max_response_len.unwrap_or(args.rollout_max_response_len);
         let mut m = BTreeMap::new();
+        let Some(engine) = &self.engine else {
+            // Rank 0 evaluates; the other ranks have no engine and log nothing.
+            return Ok(m);
+        };
         let spinner = self.ui.spinner("eval");
         for (si, (name, ds)) in self.eval_sets.iter().enumerate() {
             let mut requests = Vec::new();
@@ -884,8 +960,7 @@ impl<'a> Run<'a> {
                 }
             }
             let t = Instant::now();
-            let outputs = self
-                .engine
+            let outputs = engine
                 .generate(&requests)
                 .with_context(|| format!("evaluating {name}"))?;
             let gen_time = t.elapsed().as_secs_f64();

@@ -8,7 +8,7 @@
 //! tokens only, as `crate::rl` expects, and gradients flow back to the packed outputs.
 use crate::batching::{MicroBatch, MicroBatchPolicy, SampleView};
 use crate::critic::Critic;
-use crate::optim::{clip_coefficient, global_grad_norm, AdamW, GradAccumulator, LrScheduler};
+use crate::optim::{DistributedAdamW, GradAccumulator, LrScheduler};
 use crate::rl::{policy_loss, value_loss, LossReducer, PolicyLossInputs, RlArgs, ValueLossInputs};
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -18,7 +18,7 @@ use vime_qwen3::model::{Qwen3, Recompute};
 use vime_rollout::engine::FinishReason;
 
 /// One generated (or, for SFT, given) sample.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
     /// The prompt's index in the prompt dataset.
     pub prompt_index: usize,
@@ -101,23 +101,31 @@ impl LossTokens {
     }
 }
 
-/// Per-sample response values of `f(batch)` (a `[T]` per-token output), computed over
-/// micro-batches of `indices` (forward only).
+/// Per-sample response values of `f(batch)` (a `[T]` per-token output) for the samples `subset`
+/// (in that order), computed over micro-batches (forward only).
 pub fn score_responses(
     samples: &[Sample],
+    subset: &[usize],
     policy: MicroBatchPolicy,
     f: impl Fn(&PackedBatch) -> Result<Tensor>,
 ) -> Result<Vec<Vec<f32>>> {
     let views: Vec<SampleView> = samples.iter().map(Sample::view).collect();
-    let lengths: Vec<usize> = samples.iter().map(|s| s.tokens.len()).collect();
-    let mut out = vec![Vec::new(); samples.len()];
-    for mb_idx in policy.plan(&lengths)? {
+    let lengths: Vec<usize> = subset.iter().map(|&i| samples[i].tokens.len()).collect();
+    let mut out: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    for mb_local in policy.plan(&lengths)? {
+        let mb_idx: Vec<usize> = mb_local.iter().map(|&j| subset[j]).collect();
         let mb = MicroBatch::new(&views, &mb_idx)?;
         for (i, v) in mb.responses_from_packed(&f(&mb.batch)?)? {
-            out[i] = v;
+            out.insert(i, v);
         }
     }
-    Ok(out)
+    subset
+        .iter()
+        .map(|i| {
+            out.remove(i)
+                .with_context(|| format!("internal: sample {i} was not scored"))
+        })
+        .collect()
 }
 
 /// What one optimizer step reports.
@@ -145,6 +153,10 @@ pub struct StepConfig<'a> {
     pub micro_batches: MicroBatchPolicy,
     pub recompute: Recompute,
     pub clip_grad: f64,
+    /// The data-parallel group: each step's samples are split over it (`--balance-data` picks
+    /// how), and the optimizer reduces the gradients over it.
+    pub dp: &'a dyn vime_dist::Collectives,
+    pub balance_data: bool,
 }
 
 fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>, scale: f64) {
@@ -154,36 +166,61 @@ fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>
 }
 
 /// Runs `mb_fn(micro-batch, its loss tokens, the step's loss normaliser)` on each micro-batch of
-/// `indices`, accumulates the gradients, clips, and steps.
+/// this data-parallel rank's share of `indices`, accumulates the gradients, and steps the ZeRO-1
+/// optimizer (which reduces them over the DP group, clips by the global norm and updates). The
+/// normaliser is the whole step's, so the sum of every rank's gradients is the step's gradient.
 fn optimizer_step(
     samples: &[Sample],
     indices: &[usize],
     cfg: &StepConfig,
-    opt: &mut AdamW,
+    opt: &mut DistributedAdamW,
     sched: &LrScheduler,
     mut mb_fn: impl FnMut(&MicroBatch, &LossTokens, f64) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
     device: &Device,
 ) -> Result<StepReport> {
     let norm = normalizer(samples, indices, cfg.rl.calculate_per_token_loss);
     let views: Vec<SampleView> = samples.iter().map(Sample::view).collect();
-    let lengths: Vec<usize> = indices.iter().map(|&i| samples[i].tokens.len()).collect();
+    let step_lengths: Vec<usize> = indices.iter().map(|&i| samples[i].tokens.len()).collect();
+    let share = &super::parallel::dp_split(&step_lengths, cfg.dp.size(), cfg.balance_data)[cfg.dp.rank()];
+    anyhow::ensure!(
+        !share.is_empty(),
+        "data-parallel rank {} got no sample of this step's {} (--global-batch-size must be at least the \
+         data-parallel size {})",
+        cfg.dp.rank(),
+        indices.len(),
+        cfg.dp.size()
+    );
+    let mine: Vec<usize> = share.iter().map(|&j| indices[j]).collect();
+    let lengths: Vec<usize> = mine.iter().map(|&i| samples[i].tokens.len()).collect();
     let mut acc = GradAccumulator::new();
     let mut report = StepReport::default();
+    let mut counts = BTreeMap::new();
     for local in cfg.micro_batches.plan(&lengths)? {
-        let global: Vec<usize> = local.iter().map(|&j| indices[j]).collect();
+        let global: Vec<usize> = local.iter().map(|&j| mine[j]).collect();
         let mb = MicroBatch::new(&views, &global)?;
         let lt = LossTokens::new(&mb, device)?;
         let (grads, metrics) = mb_fn(&mb, &lt, norm)?;
         acc.add(&grads)?;
         accumulate(&mut report.metrics, &metrics, 1.0);
-        report.tokens += mb.num_tokens();
-        report.micro_batches += 1;
+        *counts.entry("tokens".to_string()).or_insert(0.0) += mb.num_tokens() as f64;
+        *counts.entry("micro_batches".to_string()).or_insert(0.0) += 1.0;
     }
     let grads = acc.take();
-    // Clipping is folded into the update (no separate pass over the f32 gradients).
-    report.grad_norm = global_grad_norm(&grads)?;
+    // For the multi-rank failure test: a rank that dies while the others wait in a collective.
+    if std::env::var("VIME_FAULT_INJECT").as_deref() == Ok(format!("abort-rank-{}-in-step", cfg.dp.rank()).as_str()) {
+        eprintln!(
+            "VIME_FAULT_INJECT: data-parallel rank {} aborts mid-step",
+            cfg.dp.rank()
+        );
+        std::process::abort();
+    }
+    super::parallel::sum_metrics(cfg.dp, &mut report.metrics)?;
+    super::parallel::sum_metrics(cfg.dp, &mut counts)?;
+    report.tokens = counts["tokens"] as usize;
+    report.micro_batches = counts["micro_batches"] as usize;
     report.lr = sched.lr_at(opt.num_steps());
-    opt.step_scaled(&grads, report.lr, clip_coefficient(report.grad_norm, cfg.clip_grad))?;
+    // Reduce-scatter, global norm, clipping folded into the update, all-gather.
+    report.grad_norm = opt.step(&grads, report.lr, cfg.clip_grad, cfg.dp)?;
     Ok(report)
 }
 
@@ -191,7 +228,7 @@ fn optimizer_step(
 #[allow(clippy::too_many_arguments)]
 pub fn policy_step(
     model: &Qwen3,
-    opt: &mut AdamW,
+    opt: &mut DistributedAdamW,
     sched: &LrScheduler,
     cfg: &StepConfig,
     samples: &[Sample],
@@ -245,7 +282,7 @@ pub fn policy_step(
 /// One supervised step: `-sum_of_sample_mean(log p(response))` over `indices`.
 pub fn sft_step(
     model: &Qwen3,
-    opt: &mut AdamW,
+    opt: &mut DistributedAdamW,
     sched: &LrScheduler,
     cfg: &StepConfig,
     samples: &[Sample],
@@ -282,7 +319,7 @@ pub fn sft_step(
 #[allow(clippy::too_many_arguments)]
 pub fn critic_step(
     critic: &Critic,
-    opt: &mut AdamW,
+    opt: &mut DistributedAdamW,
     sched: &LrScheduler,
     cfg: &StepConfig,
     samples: &[Sample],

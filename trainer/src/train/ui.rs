@@ -35,6 +35,8 @@ pub fn install_interrupt_handler() {
 
 pub struct Ui {
     multi: MultiProgress,
+    /// Ranks other than 0 print nothing (rank 0 speaks for the run).
+    silent: bool,
 }
 
 impl Ui {
@@ -44,11 +46,22 @@ impl Ui {
         } else {
             MultiProgress::new()
         };
-        Self { multi }
+        Self { multi, silent: false }
+    }
+
+    /// No bars and no log lines: what the ranks other than 0 use.
+    pub fn silent() -> Self {
+        Self {
+            multi: MultiProgress::with_draw_target(ProgressDrawTarget::hidden()),
+            silent: true,
+        }
     }
 
     /// A log line (above the bars when they draw).
     pub fn log(&self, line: &str) {
+        if self.silent {
+            return;
+        }
         if self.multi.is_hidden() {
             eprintln!("{line}");
         } else {

@@ -1,0 +1,203 @@
+//! Data parallelism in the RL loop: who does what, and the few exchanges it needs.
+//!
+//! Roles (every rank runs the same loop):
+//! - rank 0 owns the rollout engine, the rewards, metrics, plots and checkpoint files; it
+//!   generates each rollout and broadcasts its samples to every rank ([`broadcast_samples`]).
+//! - the scoring passes (old / reference log-probs, critic values) are split over the
+//!   data-parallel ranks and gathered back, so every rank holds every sample's values and
+//!   computes the same advantages ([`score_split`]).
+//! - each optimizer step's samples are split over the data-parallel ranks ([`dp_split`]); each
+//!   rank accumulates the gradients of its micro-batches, normalised by the whole step's
+//!   normaliser, and the ZeRO-1 optimizer reduce-scatters them: the sum over ranks is the
+//!   gradient of the step's loss, as at DP = 1.
+//! - loss metrics are sums over micro-batches already divided by the step normaliser, so the
+//!   step's value is their sum over ranks ([`sum_metrics`]).
+//!
+//! Decisions:
+//! - Samples travel as JSON (serde_json with `float_roundtrip`: every f32 / f64 comes back with
+//!   the same bits), once per rollout: a few MB at most, small next to a training step.
+//! - Without `--balance-data` a step's samples go round-robin (`i % dp`), slime's split; with it,
+//!   Karmarkar-Karp on token counts with equal sample counts per rank (slime's
+//!   `get_seqlen_balanced_partitions(.., equal_size=True)`).
+use super::args::ParallelArgs;
+use super::step::Sample;
+use crate::batching::balance_across_ranks;
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use vime_dist::launch::DistEnv;
+use vime_dist::world::{Backend, WorldOptions};
+use vime_dist::{Collectives, ParallelDims, World};
+
+/// This process's world, from torchrun's environment contract (a single process without it),
+/// and its device: with several ranks, `--device cuda` means `cuda:LOCAL_RANK`. Also the name of
+/// the collectives backend, for the log.
+pub fn join_world(args: &ParallelArgs, device: &str) -> Result<(World, Device, &'static str)> {
+    let (tp, cp, dp) = (
+        args.tensor_model_parallel_size,
+        args.context_parallel_size,
+        args.data_parallel_size,
+    );
+    let Some(env) = DistEnv::from_env()? else {
+        ParallelDims::new(1, tp, cp, dp).context(
+            "this is one process (no RANK, WORLD_SIZE, ... in the environment): start several ranks with \
+             --nproc-per-node N or torchrun",
+        )?;
+        return Ok((World::single(), crate::device::parse_device(device)?, "none"));
+    };
+    let dims = ParallelDims::new(env.world_size, tp, cp, dp).with_context(|| format!("rank {}", env.rank))?;
+    let cuda = device == "cuda" || device.starts_with("cuda:");
+    let device = if cuda && env.local_world_size > 1 {
+        if device != "cuda" {
+            eprintln!(
+                "vime: rank {}: --device {device} with {} local ranks: using cuda:{} (LOCAL_RANK)",
+                env.rank, env.local_world_size, env.local_rank
+            );
+        }
+        crate::device::parse_device(&format!("cuda:{}", env.local_rank))?
+    } else {
+        crate::device::parse_device(device)?
+    };
+    let (backend, name) = match (args.distributed_backend.as_str(), device.is_cuda()) {
+        ("cpu" | "gloo", _) | ("auto", false) => (Backend::Cpu, "cpu"),
+        #[cfg(feature = "cuda")]
+        ("nccl" | "auto", true) => (Backend::Nccl(device.clone()), "nccl"),
+        ("nccl", false) => bail!("--distributed-backend nccl needs --device cuda"),
+        #[cfg(not(feature = "cuda"))]
+        ("nccl" | "auto", true) => bail!("the nccl backend needs a build with the cuda feature"),
+        (other, _) => bail!("--distributed-backend {other:?}: expected auto, nccl or cpu"),
+    };
+    let mut opts = WorldOptions::from_env()?;
+    let limit = Duration::from_secs_f64(args.distributed_timeout_minutes * 60.0);
+    if std::env::var_os("VIME_DIST_OP_TIMEOUT").is_none() {
+        opts.timeouts.op = limit;
+    }
+    if std::env::var_os("VIME_DIST_TIMEOUT").is_none() {
+        opts.timeouts.rendezvous = limit.min(opts.timeouts.rendezvous);
+    }
+    let world = World::new(&env, dims, backend, opts)
+        .with_context(|| format!("rank {}: joining the {}-rank world", env.rank, env.world_size))?;
+    Ok((world, device, name))
+}
+
+/// The local positions (into `lengths`) that each of `dp` ranks trains on.
+pub fn dp_split(lengths: &[usize], dp: usize, balance: bool) -> Vec<Vec<usize>> {
+    if dp <= 1 {
+        return vec![(0..lengths.len()).collect()];
+    }
+    if balance {
+        balance_across_ranks(lengths, dp, true)
+    } else {
+        (0..dp).map(|r| (r..lengths.len()).step_by(dp).collect()).collect()
+    }
+}
+
+/// What rank 0 sends after a rollout: the samples, or why there are none (so that the other
+/// ranks stop with rank 0's error instead of waiting for samples that never come).
+#[derive(serde::Serialize, serde::Deserialize)]
+enum RolloutMessage {
+    Samples(Vec<Sample>),
+    Failed(String),
+}
+
+/// Rank 0's samples (or its error) on every rank of `group`. Rank 0 passes `Some(result)`, the
+/// others `None`.
+pub fn broadcast_samples(group: &dyn Collectives, mine: Option<Result<Vec<Sample>>>) -> Result<Vec<Sample>> {
+    if group.size() == 1 {
+        return mine.context("internal: the only rank has no samples")?;
+    }
+    let (bytes, own_err) = match mine {
+        Some(Ok(s)) => (serde_json::to_vec(&RolloutMessage::Samples(s))?, None),
+        Some(Err(e)) => (serde_json::to_vec(&RolloutMessage::Failed(format!("{e:#}")))?, Some(e)),
+        None => (Vec::new(), None),
+    };
+    let got = group
+        .broadcast_bytes(&bytes, 0)
+        .context("receiving the rollout from rank 0")?;
+    if let Some(e) = own_err {
+        return Err(e);
+    }
+    match serde_json::from_slice(&got).context("decoding the rollout from rank 0")? {
+        RolloutMessage::Samples(s) => Ok(s),
+        RolloutMessage::Failed(why) => bail!("rank 0 failed to produce the rollout: {why}"),
+    }
+}
+
+/// Per-sample values of `score` over all `n` samples, each rank scoring the samples
+/// `dp_split` gives it and every rank receiving all of them.
+pub fn score_split(
+    group: &dyn Collectives,
+    lengths: &[usize],
+    balance: bool,
+    score: impl FnOnce(&[usize]) -> Result<Vec<Vec<f32>>>,
+) -> Result<Vec<Vec<f32>>> {
+    let n = lengths.len();
+    let parts = dp_split(lengths, group.size(), balance);
+    let mine = &parts[group.rank()];
+    let values = score(mine)?;
+    if group.size() == 1 {
+        return Ok(values);
+    }
+    let bytes = serde_json::to_vec(&values)?;
+    let all = group.all_gather_bytes(&bytes).context("gathering per-sample scores")?;
+    let mut out: Vec<Option<Vec<f32>>> = vec![None; n];
+    for (r, (b, idx)) in all.iter().zip(&parts).enumerate() {
+        let v: Vec<Vec<f32>> =
+            serde_json::from_slice(b).with_context(|| format!("decoding the scores of data-parallel rank {r}"))?;
+        if v.len() != idx.len() {
+            bail!(
+                "data-parallel rank {r} scored {} samples, {} expected",
+                v.len(),
+                idx.len()
+            );
+        }
+        for (&i, vals) in idx.iter().zip(v) {
+            out[i] = Some(vals);
+        }
+    }
+    out.into_iter()
+        .enumerate()
+        .map(|(i, v)| v.with_context(|| format!("internal: no rank scored sample {i}")))
+        .collect()
+}
+
+/// Replaces each metric by its sum over the ranks of `group` (in rank order, so every rank gets
+/// the same bits). A metric missing on some rank counts as 0 there.
+pub fn sum_metrics(group: &dyn Collectives, m: &mut BTreeMap<String, f64>) -> Result<()> {
+    if group.size() == 1 {
+        return Ok(());
+    }
+    let bytes = serde_json::to_vec(&*m)?;
+    let all = group.all_gather_bytes(&bytes).context("summing metrics over ranks")?;
+    let mut total: BTreeMap<String, f64> = BTreeMap::new();
+    for (r, b) in all.iter().enumerate() {
+        let part: BTreeMap<String, f64> =
+            serde_json::from_slice(b).with_context(|| format!("decoding the metrics of rank {r}"))?;
+        for (k, v) in part {
+            *total.entry(k).or_insert(0.0) += v;
+        }
+    }
+    *m = total;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_robin_and_balanced_splits_cover_every_sample_once() {
+        let lengths = [5, 9, 2, 7, 7, 3, 8, 1];
+        for dp in 1..=4 {
+            for balance in [false, true] {
+                let parts = dp_split(&lengths, dp, balance);
+                assert_eq!(parts.len(), dp);
+                let mut all: Vec<usize> = parts.iter().flatten().copied().collect();
+                all.sort();
+                assert_eq!(all, (0..lengths.len()).collect::<Vec<_>>(), "dp {dp} balance {balance}");
+            }
+        }
+        assert_eq!(dp_split(&lengths, 3, false)[1], vec![1, 4, 7]);
+    }
+}

@@ -1,0 +1,395 @@
+//! Data parallelism with the ZeRO-1 optimizer, end to end: real `vime-train` processes started by
+//! `--nproc-per-node N` (the launcher, the rendezvous and the CPU collectives backend all run).
+//!
+//! One GRPO step on the same rollout (rank 0 generates it with the same seeds at every DP size)
+//! at DP = 1, 2 and 4: the loss, the gradient norm, every updated parameter and every tensor of
+//! the optimizer state must match DP = 1. Data-parallel ranks sum their gradients in another
+//! order than one rank accumulating all micro-batches, so the match is within f32
+//! reduction-order error; the bounds are stated at each assertion. Then: resume across DP sizes,
+//! and a rank that dies mid-step.
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+use vime_trainer::demo::{make_task, MakeTaskArgs, TaskKind};
+use vime_trainer::metrics::read_metrics;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_vime-train")
+}
+
+fn task(dir: &Path) -> (PathBuf, PathBuf) {
+    let made = make_task(&MakeTaskArgs {
+        task: TaskKind::Reverse,
+        out: dir.to_path_buf(),
+        min_len: 2,
+        max_len: 5,
+        min_digits: 1,
+        max_digits: 2,
+        ops: "+".into(),
+        n_train: 40,
+        n_eval: 4,
+        seed: 5,
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 16,
+    })
+    .unwrap();
+    (made.model_dir, made.files.train)
+}
+
+/// The task's random model after a short supervised warm-up (run at DP = 2, so the SFT path of
+/// the data-parallel loop runs too): it gets some answers right, so GRPO's advantages are not all
+/// zero and the policy-gradient term is part of the compared gradients.
+fn warm_model(dir: &Path) -> (PathBuf, PathBuf) {
+    let (model, train) = task(&dir.join("task"));
+    let save = dir.join("warm");
+    let f: Vec<String> = [
+        "--hf-checkpoint",
+        model.to_str().unwrap(),
+        "--prompt-data",
+        train.to_str().unwrap(),
+        "--label-key",
+        "label",
+        "--loss-type",
+        "sft",
+        "--rollout-batch-size",
+        "16",
+        "--num-rollout",
+        "40",
+        "--lr",
+        "1e-2",
+        "--max-tokens-per-gpu",
+        "64",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "40",
+        "--no-progress",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    run(2, &f);
+    (save.join("iter_0000040/hf"), train)
+}
+
+/// A GRPO run of `num_rollout` rollouts (16 samples each) in `steps` optimizer steps per rollout.
+fn flags(model: &Path, train: &Path, save: &Path, num_rollout: u64, steps: usize) -> Vec<String> {
+    [
+        "--hf-checkpoint",
+        model.to_str().unwrap(),
+        "--prompt-data",
+        train.to_str().unwrap(),
+        "--label-key",
+        "label",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "4",
+        "--num-steps-per-rollout",
+        &steps.to_string(),
+        "--num-rollout",
+        &num_rollout.to_string(),
+        "--rollout-max-response-len",
+        "6",
+        "--rollout-temperature",
+        "1.0",
+        "--rm-type",
+        "exact_match",
+        "--lr",
+        "1e-2",
+        "--entropy-coef",
+        "0.01",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.01",
+        "--max-tokens-per-gpu",
+        "40",
+        "--save",
+        save.to_str().unwrap(),
+        "--save-interval",
+        "1",
+        "--load",
+        save.to_str().unwrap(),
+        "--no-progress",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn run(nproc: usize, flags: &[String]) -> std::process::Output {
+    let mut cmd = Command::new(bin());
+    if nproc > 1 {
+        cmd.arg("--nproc-per-node").arg(nproc.to_string());
+    }
+    let out = cmd.args(flags).output().unwrap();
+    assert!(
+        out.status.success(),
+        "vime-train (nproc {nproc}) failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn load(path: &Path) -> BTreeMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// `||a - b||_2 / ||a||_2` over one tensor (0 when both are zero), in f64.
+fn rel_l2(a: &Tensor, b: &Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let norm = |t: &Tensor| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+    let d = norm(&(&a - &b).unwrap());
+    if d == 0.0 {
+        0.0
+    } else {
+        d / norm(&a).max(1e-300)
+    }
+}
+
+/// Every tensor of `b` against `a` (same names and shapes): `rel_l2(a - base, b - base)` within
+/// `tol` (with `base` the tensors before the step, so what is compared is the update, not the
+/// weights it was added to; no base: the tensors themselves). Returns the worst value and how
+/// many tensors were not bit-identical.
+fn compare(
+    what: &str,
+    base: Option<&BTreeMap<String, Tensor>>,
+    a: &BTreeMap<String, Tensor>,
+    b: &BTreeMap<String, Tensor>,
+    tol: impl Fn(&str) -> f64,
+) -> (f64, usize) {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{what}: tensor names"
+    );
+    let (mut worst, mut inexact) = (0f64, 0usize);
+    for (name, x) in a {
+        let y = &b[name];
+        assert_eq!(x.dims(), y.dims(), "{what}: {name} shape");
+        let (x, y) = match base.map(|m| &m[name]) {
+            Some(p) => ((x - p).unwrap(), (y - p).unwrap()),
+            None => (x.clone(), y.clone()),
+        };
+        let r = rel_l2(&x, &y);
+        let t = tol(name);
+        assert!(r <= t, "{what}: {name} differs by {r:e} relative (L2; bound {t:e})");
+        worst = worst.max(r);
+        inexact += (r > 0.0) as usize;
+    }
+    (worst, inexact)
+}
+
+fn iter_dir(save: &Path, step: u64) -> PathBuf {
+    save.join(format!("iter_{step:07}"))
+}
+
+fn metric(save: &Path, step: u64, key: &str) -> f64 {
+    let lines = read_metrics(&save.join("metrics.jsonl")).unwrap();
+    let (_, m) = lines.iter().find(|(s, _)| *s == step).unwrap();
+    *m.get(key).unwrap_or_else(|| panic!("no {key} at step {step}"))
+}
+
+// Bounds. DP = k sums its ranks' gradients in another order than one rank summing all
+// micro-batches, so the reduced f32 gradients differ by summation-order rounding: relative
+// ~1e-7 per element, more where a sum cancels. Adam's first moment is linear in the gradient
+// and its second quadratic, so their relative L2 difference stays at that level: bound 1e-5.
+// The weight update m / (sqrt(v) + eps) is scale-free: an element whose gradient is near eps
+// (1e-8) after cancellation turns its rounding error into an O(lr) change, so the update (new
+// weights minus the warm model's) is compared in relative L2 per tensor, bound 1e-3; measured
+// values are printed. Loss terms and grad norm: 1e-5 relative.
+fn state_tol(name: &str) -> f64 {
+    if name.starts_with("master.") {
+        1e-3
+    } else {
+        1e-5
+    }
+}
+
+#[test]
+fn dp2_and_dp4_match_dp1_per_parameter() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train) = warm_model(dir.path());
+    let mut saves = Vec::new();
+    for dp in [1usize, 2, 4] {
+        let save = dir.path().join(format!("dp{dp}"));
+        let t = Instant::now();
+        run(dp, &flags(&model, &train, &save, 1, 1));
+        eprintln!("dp {dp}: one rollout in {:.1} s", t.elapsed().as_secs_f64());
+        saves.push((dp, save));
+    }
+    let (_, base) = &saves[0];
+    let before = load(&model.join("model.safetensors"));
+    let base_model = load(&iter_dir(base, 1).join("hf/model.safetensors"));
+    let base_opt = load(&iter_dir(base, 1).join("optimizer.safetensors"));
+    let before_master: BTreeMap<String, Tensor> =
+        before.iter().map(|(k, v)| (format!("master.{k}"), v.clone())).collect();
+    for (dp, save) in &saves[1..] {
+        // Some prompt group must have rewards that differ, else every advantage is 0 and the
+        // policy-gradient term (whose loss value is ~0 at the first step, ratio 1, whatever the
+        // advantages) would contribute no gradient.
+        let flat = metric(base, 1, "rollout/zero_std_groups");
+        assert!(
+            flat < 1.0,
+            "every group's rewards are equal: no advantage signal, nothing tested"
+        );
+        for key in [
+            "train/loss",
+            "train/pg_loss",
+            "train/grad_norm",
+            "train/kl_loss",
+            "train/entropy_loss",
+        ] {
+            let (a, b) = (metric(base, 1, key), metric(save, 1, key));
+            // Relative, with a floor: at the first step pg_loss and kl_loss are ~0 by construction
+            // (ratio 1, policy = reference), whatever the gradients.
+            let err = (a - b).abs() / a.abs().max(1e-3);
+            eprintln!("dp {dp}: {key} {b:.9e} vs dp 1 {a:.9e} (error {err:.1e})");
+            assert!(err <= 1e-5, "dp {dp}: {key} {b} vs {a} (error {err:e}, bound 1e-5)");
+        }
+        let (w, n) = compare(
+            &format!("dp {dp} weight updates"),
+            Some(&before),
+            &base_model,
+            &load(&iter_dir(save, 1).join("hf/model.safetensors")),
+            |_| 1e-3,
+        );
+        eprintln!(
+            "dp {dp}: weight updates within {w:.1e} (relative L2) of dp 1 ({n} of {} tensors not bit-identical)",
+            base_model.len()
+        );
+        let opt = load(&iter_dir(save, 1).join("optimizer.safetensors"));
+        let masters: BTreeMap<String, Tensor> = base_opt
+            .iter()
+            .filter(|(k, _)| k.starts_with("master."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let moments: BTreeMap<String, Tensor> = base_opt
+            .iter()
+            .filter(|(k, _)| !k.starts_with("master."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let pick = |m: &BTreeMap<String, Tensor>, master: bool| -> BTreeMap<String, Tensor> {
+            m.iter()
+                .filter(|(k, _)| k.starts_with("master.") == master)
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
+        let (o, n) = compare(
+            &format!("dp {dp} masters"),
+            Some(&before_master),
+            &masters,
+            &pick(&opt, true),
+            state_tol,
+        );
+        eprintln!(
+            "dp {dp}: master updates within {o:.1e} of dp 1 ({n} of {} not bit-identical)",
+            masters.len()
+        );
+        let (o, n) = compare(
+            &format!("dp {dp} moments"),
+            None,
+            &moments,
+            &pick(&opt, false),
+            state_tol,
+        );
+        eprintln!(
+            "dp {dp}: Adam moments within {o:.1e} of dp 1 ({n} of {} not bit-identical)",
+            moments.len()
+        );
+        let state = |root: &Path| -> serde_json::Value {
+            serde_json::from_slice(&std::fs::read(iter_dir(root, 1).join("state.json")).unwrap()).unwrap()
+        };
+        assert_eq!(state(base), state(save), "dp {dp}: state.json");
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_at_another_dp_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train) = warm_model(dir.path());
+    // The reference: 2 rollouts at DP = 2, a checkpoint after each.
+    let straight = dir.path().join("straight");
+    run(2, &flags(&model, &train, &straight, 2, 2));
+    for (dp, exact) in [(2usize, true), (1, false), (4, false)] {
+        let resumed = dir.path().join(format!("resumed-dp{dp}"));
+        std::fs::create_dir_all(&resumed).unwrap();
+        // The step-1 checkpoint of the DP = 2 run, as if the run had stopped there.
+        let src = iter_dir(&straight, 1);
+        copy_dir(&src, &iter_dir(&resumed, 1));
+        std::fs::write(resumed.join("latest_checkpointed_iteration.txt"), "1").unwrap();
+        std::fs::copy(straight.join("metrics.jsonl"), resumed.join("metrics.jsonl")).unwrap();
+        let out = run(dp, &flags(&model, &train, &resumed, 2, 2));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("resuming from"), "{stderr}");
+        let files = ["hf/model.safetensors", "optimizer.safetensors"];
+        for f in files {
+            let (a, b) = (
+                load(&iter_dir(&straight, 2).join(f)),
+                load(&iter_dir(&resumed, 2).join(f)),
+            );
+            if exact {
+                // Same DP size: the same bits as the run that was never stopped.
+                for (name, x) in &a {
+                    let (x, y) = (x.flatten_all().unwrap(), b[name].flatten_all().unwrap());
+                    let (x, y) = (x.to_vec1::<f32>().unwrap(), y.to_vec1::<f32>().unwrap());
+                    assert!(
+                        x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "resumed at dp {dp}: {f}: {name} is not bit-identical"
+                    );
+                }
+            } else {
+                // Another DP size: its step-2 gradients are summed in another order (bounds as
+                // above; the state it resumed from is the same bits, see trainer/tests/zero.rs).
+                let (w, n) = compare(&format!("resumed at dp {dp}: {f}"), None, &a, &b, |_| 1e-5);
+                eprintln!("resumed at dp {dp}: {f} within {w:.1e} (relative L2) of the dp 2 run ({n} tensors inexact)");
+            }
+        }
+    }
+}
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        let to = dst.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to);
+        } else {
+            std::fs::copy(e.path(), to).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_dies_mid_step_fails_the_run_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train) = task(&dir.path().join("task"));
+    let save = dir.path().join("run");
+    let t = Instant::now();
+    let out = Command::new(bin())
+        .args(["--nproc-per-node", "3"])
+        .args(flags(&model, &train, &save, 2, 2))
+        .env("VIME_FAULT_INJECT", "abort-rank-1-in-step")
+        .output()
+        .unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("failed in {secs:.1} s:\n{stderr}");
+    assert!(!out.status.success(), "the run succeeded with a dead rank:\n{stderr}");
+    assert!(stderr.contains("rank 1"), "the error does not name rank 1:\n{stderr}");
+    assert!(
+        Duration::from_secs_f64(secs) < Duration::from_secs(30),
+        "took {secs:.1} s to fail (bound 30 s)"
+    );
+}
