@@ -7,9 +7,10 @@
 //! and its dp, tp and cp groups in that order (the same order everywhere, which NCCL's blocking
 //! communicator init needs). A group of one member is a `SingleRank`, with no connections.
 //!
-//! Finishing: [`World::finish`] (or a drop outside a panic) says goodbye to the store; rank 0 then
-//! waits for every rank's goodbye before it stops the store, so that no finishing rank mistakes
-//! rank 0's exit for a death.
+//! Finishing: [`World::finish`] says goodbye to the store; rank 0 then waits for every rank's
+//! goodbye before it stops the store, so that no finishing rank mistakes rank 0's exit for a
+//! death. A world dropped without `finish` (an early error, a panic) leaves without a goodbye,
+//! so the others are told this rank failed rather than waiting for it.
 use crate::collectives::{Collectives, SingleRank};
 use crate::cpu::CpuGroup;
 use crate::dims::{ParallelDims, RankCoords};
@@ -239,13 +240,9 @@ impl World {
     /// Leaves without a goodbye, as a failed rank: the store reports this rank as failed and every
     /// other rank's watchdog exits naming it, instead of waiting in its next collective. What the
     /// trainer does on an error.
-    pub fn abandon(mut self) {
-        if let Some(w) = self.watchdog.take() {
-            w.abandon();
-        }
-        self.store = None;
-        // Rank 0 hosts the store: it stops with this process, which the others also notice.
-        std::mem::forget(self.server.take());
+    /// (Rank 0 hosts the store: it stops with this process, which the others also notice.)
+    pub fn abandon(self) {
+        drop(self);
     }
 
     fn shutdown(&mut self) -> Result<()> {
@@ -261,13 +258,14 @@ impl World {
 }
 
 impl Drop for World {
+    /// A world dropped without [`World::finish`] (an error returned early, a panic) leaves as a
+    /// failed rank: no goodbye, so the other ranks' watchdogs stop them instead of leaving them
+    /// waiting in a collective.
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            // The watchdog's own drop skips the goodbye: the others learn that this rank died.
-            return;
+        if let Some(w) = self.watchdog.take() {
+            w.abandon();
         }
-        if let Err(e) = self.shutdown() {
-            eprintln!("vime: rank {}: {e:#}", self.rank());
-        }
+        self.store = None;
+        std::mem::forget(self.server.take());
     }
 }

@@ -92,7 +92,11 @@ fn main() {
     let code = match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("vime-train: error: {e:#}");
+            // Each rank of a launched world says which one it is.
+            match std::env::var("RANK") {
+                Ok(r) => eprintln!("vime-train: rank {r}: error: {e:#}"),
+                Err(_) => eprintln!("vime-train: error: {e:#}"),
+            }
             1
         }
     };

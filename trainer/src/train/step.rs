@@ -206,13 +206,18 @@ fn optimizer_step(
         *counts.entry("micro_batches".to_string()).or_insert(0.0) += 1.0;
     }
     let grads = acc.take();
-    // For the multi-rank failure test: a rank that dies while the others wait in a collective.
-    if std::env::var("VIME_FAULT_INJECT").as_deref() == Ok(format!("abort-rank-{}-in-step", cfg.dp.rank()).as_str()) {
+    // For the multi-rank failure tests: a rank that dies, or fails with an error, while the
+    // others wait in a collective.
+    let fault = std::env::var("VIME_FAULT_INJECT").unwrap_or_default();
+    if fault == format!("abort-rank-{}-in-step", cfg.dp.rank()) {
         eprintln!(
             "VIME_FAULT_INJECT: data-parallel rank {} aborts mid-step",
             cfg.dp.rank()
         );
         std::process::abort();
+    }
+    if fault == format!("error-rank-{}-in-step", cfg.dp.rank()) {
+        anyhow::bail!("VIME_FAULT_INJECT: data-parallel rank {} fails mid-step", cfg.dp.rank());
     }
     super::parallel::sum_metrics(cfg.dp, &mut report.metrics)?;
     super::parallel::sum_metrics(cfg.dp, &mut counts)?;
