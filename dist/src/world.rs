@@ -149,8 +149,15 @@ impl World {
                 }
             }
 
+            // A group of one is a SingleRank (no communicator), except the NCCL world group: a
+            // launched world always builds one, so NCCL is set up and checked even at world
+            // size 1 (torchrun --nproc-per-node 1).
             let join = |kind: &str, members: Vec<usize>| -> Result<Rc<dyn Collectives>> {
-                if members.len() == 1 {
+                #[cfg(feature = "cuda")]
+                let real = kind == "world" && matches!(backend, Backend::Nccl(_));
+                #[cfg(not(feature = "cuda"))]
+                let real = false;
+                if members.len() == 1 && !real {
                     return Ok(Rc::new(SingleRank::new(rank)));
                 }
                 let list: Vec<String> = members.iter().map(|m| m.to_string()).collect();
@@ -165,6 +172,20 @@ impl World {
                 Ok(g)
             };
             let world = join("world", (0..env.world_size).collect())?;
+            // The communicator works: a one-element sum over the world is its size.
+            let device = match &backend {
+                Backend::Cpu => candle_core::Device::Cpu,
+                #[cfg(feature = "cuda")]
+                Backend::Nccl(d) => d.clone(),
+            };
+            let one = candle_core::Tensor::ones(1, candle_core::DType::F32, &device)?;
+            let sum = world.all_reduce(&one, crate::ReduceOp::Sum)?.to_vec1::<f32>()?[0];
+            if sum != env.world_size as f32 {
+                bail!(
+                    "rank {rank}: the world group's check all-reduce gave {sum}, not the world size {}",
+                    env.world_size
+                );
+            }
             let dp = join("dp", dims.dp_group(rank))?;
             let tp = join("tp", dims.tp_group(rank))?;
             let cp = join("cp", dims.cp_group(rank))?;

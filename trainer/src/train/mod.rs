@@ -147,7 +147,8 @@ impl<'a> Run<'a> {
         let dtype = parse_dtype(&args.dtype)?;
         let rank0 = world.rank() == 0;
         let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };
-        if world.size() > 1 {
+        if world.store().is_some() {
+            // A launched world (torchrun's environment), even of one rank.
             let d = world.dims();
             ui.log(&format!(
                 "parallel: {} ranks (dp {} x tp {} x cp {}), {} backend, ZeRO-1 optimizer over dp",
