@@ -41,9 +41,7 @@ impl ParallelDims {
         let derived = world / mp;
         if let Some(d) = dp {
             if d != derived {
-                bail!(
-                    "--data-parallel-size {d} does not match world size {world} / (tp {tp} x cp {cp}) = {derived}"
-                );
+                bail!("--data-parallel-size {d} does not match world size {world} / (tp {tp} x cp {cp}) = {derived}");
             }
         }
         Ok(ParallelDims { dp: derived, tp, cp })
