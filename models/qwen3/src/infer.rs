@@ -11,9 +11,9 @@
 //!   batch, one per thread).
 //! - The layer is the training block (`crate::block`, same code, same kernels, same detached
 //!   weights) with its `Attention::Cached` strategy: the attention keys and values are the cached
-//!   ones followed by the new ones: `cu_seqlens_q` spans the new tokens, `cu_seqlens_k` the cached
-//!   + new keys, and the kernel's bottom-right causal alignment makes query `i` of a sequence see
-//!   exactly its prefix. The tests hold both paths to the same logits.
+//!   ones followed by the new ones: `cu_seqlens_q` spans the new tokens, `cu_seqlens_k` the
+//!   cached and the new keys, and the kernel's bottom-right causal alignment makes query `i` of a
+//!   sequence see exactly its prefix. The tests hold both paths to the same logits.
 //! - A slot stores per layer one `[capacity, n_kv_heads, head_dim]` K and V buffer in the model's
 //!   dtype on its device, written in place (`slice_set`) and doubled when full, so appending a
 //!   token costs no copy of the past. Each layer gathers the live rows of every sequence of the
