@@ -33,7 +33,7 @@ impl ParallelDims {
             bail!("--tensor-model-parallel-size ({tp}) and --context-parallel-size ({cp}) must be at least 1");
         }
         let mp = tp * cp;
-        if world % mp != 0 {
+        if !world.is_multiple_of(mp) {
             bail!(
                 "the world size {world} is not divisible by tensor-parallel size {tp} x context-parallel size {cp} = {mp}"
             );

@@ -38,79 +38,19 @@
 //!   are bit-for-bit identical run to run whatever the thread count.
 //! - Dot products accumulate in 8 fixed lanes so that they vectorise, with a summation order that
 //!   depends on neither the scheduling nor the target.
+//! - The CUDA kernel (cuDNN or flash) is chosen by the caller's [`KernelConfig`], which the op
+//!   keeps from its forward for its backward; nothing here is process-global.
+//! - [`varlen_attention_saved`] / [`varlen_attention_backward`] (no autograd) exist on every
+//!   device: where no kernel applies they keep the composed op's local autograd graph instead.
 //! - One query row at a time: blocking four rows per pass over the keys measured no faster here
 //!   (512 and 1024 tokens, head_dim 128, f32), so the simpler loop stayed.
+use crate::config::KernelConfig;
 use crate::real::{same_dtype, Real};
 use crate::with_acc;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
-
-/// Which kernel runs bf16 attention on CUDA (the CPU and every other dtype have one path each).
-/// Megatron-LM's `--attention-backend` names: `fused` is cuDNN's fused attention (the `cudnn`
-/// build feature), `flash` vime's own FlashAttention-2 kernel (`cuda/flash_attn.cu`), `auto`
-/// cuDNN where the build has it and it accepts the shape, else flash.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionBackend {
-    Auto,
-    Fused,
-    Flash,
-}
-
-impl std::str::FromStr for AttentionBackend {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "fused" | "cudnn" => Ok(Self::Fused),
-            "flash" => Ok(Self::Flash),
-            other => Err(format!(
-                "unknown attention backend {other:?} (expected auto, fused (cuDNN) or flash)"
-            )),
-        }
-    }
-}
-
-static BACKEND: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
-static DETERMINISTIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Whether this build has cuDNN's fused attention (the `cudnn` feature).
-pub const CUDNN_BUILT: bool = cfg!(feature = "cudnn");
-
-/// Selects the attention kernel for the whole process (see [`AttentionBackend`]). `Fused` in a
-/// build without the `cudnn` feature is an error here rather than at the first forward.
-pub fn set_attention_backend(b: AttentionBackend) -> Result<()> {
-    if b == AttentionBackend::Fused && !CUDNN_BUILT {
-        bail!("--attention-backend fused needs a build with the cudnn feature (cargo build --features cudnn)");
-    }
-    let v = match b {
-        AttentionBackend::Auto => 0,
-        AttentionBackend::Fused => 1,
-        AttentionBackend::Flash => 2,
-    };
-    BACKEND.store(v, std::sync::atomic::Ordering::Relaxed);
-    Ok(())
-}
-
-pub fn attention_backend() -> AttentionBackend {
-    match BACKEND.load(std::sync::atomic::Ordering::Relaxed) {
-        1 => AttentionBackend::Fused,
-        2 => AttentionBackend::Flash,
-        _ => AttentionBackend::Auto,
-    }
-}
-
-/// Asks for a run-to-run bitwise-reproducible attention backward where the backend has a choice
-/// (cuDNN's deterministic dQ accumulation; the flash kernel's dQ uses f32 atomics either way, and
-/// the CPU kernel is always deterministic).
-pub fn set_deterministic_attention(on: bool) {
-    DETERMINISTIC.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-pub fn deterministic_attention() -> bool {
-    DETERMINISTIC.load(std::sync::atomic::Ordering::Relaxed)
-}
 
 /// cuDNN graphs built so far and the host seconds that took (`(0, 0.0)` without the cudnn
 /// feature): each new shape bucket costs a forward and a backward graph.
@@ -125,21 +65,24 @@ pub fn cudnn_graph_stats() -> (u64, f64) {
     }
 }
 
-/// The kernel bf16 attention on CUDA runs now: `"cudnn"` or `"flash"` (also after `auto` fell
-/// back from a cuDNN failure).
-pub fn cuda_attention_kernel() -> &'static str {
-    #[cfg(feature = "cudnn")]
-    if attention_backend() != AttentionBackend::Flash && !crate::cuda::cudnn_off() {
-        return "cudnn";
+/// Whether the kernel op (CPU, or fused CUDA: bf16 with head_dim 128) takes these tensors; the
+/// composed path runs everything else.
+fn kernel_path(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {
+    if q.device().is_cpu() {
+        return Ok(true);
     }
-    "flash"
+    Ok(crate::fused_cuda(q.device(), q.dtype())
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+        && q.rank() == 3
+        && q.dim(2)? == 128)
 }
 
 /// Causal attention over packed sequences (see the module docs), with backward.
 ///
 /// `q: [Tq, n_heads, head_dim]`, `k, v: [Tk, n_kv_heads, head_dim]`, `cu_seqlens_q` / `cu_seqlens_k`
 /// the sequence boundaries (`[0, .., Tq]` / `[0, .., Tk]`, one entry more than sequences). Returns
-/// `[Tq, n_heads, head_dim]` in the dtype of `q`.
+/// `[Tq, n_heads, head_dim]` in the dtype of `q`. `kernels` picks the CUDA kernel.
 pub fn varlen_attention(
     q: &Tensor,
     k: &Tensor,
@@ -147,95 +90,31 @@ pub fn varlen_attention(
     cu_seqlens_q: &Arc<[u32]>,
     cu_seqlens_k: &Arc<[u32]>,
     softmax_scale: f64,
+    kernels: &KernelConfig,
 ) -> Result<Tensor> {
-    let fused = crate::fused_cuda(q.device(), q.dtype())
-        && k.dtype() == q.dtype()
-        && v.dtype() == q.dtype()
-        && q.rank() == 3
-        && q.dim(2)? == 128;
-    if !q.device().is_cpu() && !fused {
+    if !kernel_path(q, k, v)? {
         return crate::composed::varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale);
     }
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
-    let op = VarlenAttention::new(cu_seqlens_q, cu_seqlens_k, softmax_scale);
+    crate::checks::attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
+    let op = VarlenAttention::new(cu_seqlens_q, cu_seqlens_k, softmax_scale, kernels);
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
-/// Every check of [`varlen_attention`]; the composed path runs the same ones.
-pub(crate) fn validate(q: &Tensor, k: &Tensor, v: &Tensor, cu_q: &[u32], cu_k: &[u32], scale: f64) -> Result<()> {
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        if t.rank() != 3 {
-            bail!(
-                "varlen_attention: {name} must be [tokens, heads, head_dim], got shape {:?}",
-                t.dims()
-            );
-        }
-    }
-    let (tq, h, d) = q.dims3()?;
-    let (tk, hkv, dk) = k.dims3()?;
-    if v.dims() != k.dims() {
-        bail!(
-            "varlen_attention: k {:?} and v {:?} differ in shape",
-            k.dims(),
-            v.dims()
-        );
-    }
-    if dk != d {
-        bail!("varlen_attention: head_dim of q ({d}) and k/v ({dk}) differ");
-    }
-    if hkv == 0 || h == 0 || h % hkv != 0 {
-        bail!("varlen_attention: n_heads {h} must be a positive multiple of n_kv_heads {hkv}");
-    }
-    let dtype = same_dtype("varlen_attention", &[q.dtype(), k.dtype(), v.dtype()])?;
-    if !matches!(dtype, DType::F64 | DType::F32 | DType::BF16 | DType::F16) {
-        bail!("varlen_attention: unsupported dtype {dtype:?} (f64, f32, bf16, f16)");
-    }
-    if !scale.is_finite() {
-        bail!("varlen_attention: softmax_scale {scale} is not finite");
-    }
-    check_cu_seqlens("cu_seqlens_q", cu_q, tq)?;
-    check_cu_seqlens("cu_seqlens_k", cu_k, tk)?;
-    if cu_q.len() != cu_k.len() {
-        bail!(
-            "varlen_attention: cu_seqlens_q describes {} sequences and cu_seqlens_k {}",
-            cu_q.len() - 1,
-            cu_k.len() - 1
-        );
-    }
-    for s in 0..cu_q.len() - 1 {
-        let (lq, lk) = (cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]);
-        if lk < lq {
-            bail!("varlen_attention: sequence {s} has {lq} queries but only {lk} keys (need Lk >= Lq)");
-        }
-    }
-    Ok(())
-}
-
-fn check_cu_seqlens(name: &str, cu: &[u32], tokens: usize) -> Result<()> {
-    if cu.is_empty() {
-        bail!("varlen_attention: {name} is empty; it needs at least [0]");
-    }
-    if cu[0] != 0 {
-        bail!("varlen_attention: {name} must start at 0, got {cu:?}");
-    }
-    if let Some(s) = cu.windows(2).position(|w| w[1] < w[0]) {
-        bail!("varlen_attention: {name} is not monotone at sequence {s}: {cu:?}");
-    }
-    if *cu.last().unwrap() as usize != tokens {
-        bail!("varlen_attention: {name} must end at the token count {tokens}, got {cu:?}");
-    }
-    Ok(())
-}
-
-/// What [`varlen_attention_backward`] needs from the forward besides q, k, v and the output (on
-/// CUDA, the log-sum-exp the forward saved).
+/// What [`varlen_attention_backward`] needs from the forward besides q, k, v and the output: the
+/// kernel op (on CUDA holding the log-sum-exp the forward saved), or, where no kernel exists, the
+/// composed op's local autograd graph.
 #[derive(Debug, Clone)]
-pub struct AttentionSaved {
-    op: VarlenAttention,
+pub struct AttentionSaved(SavedAttention);
+
+#[derive(Debug, Clone)]
+enum SavedAttention {
+    Kernel(VarlenAttention),
+    Graph(crate::composed::Graph),
 }
 
 /// [`varlen_attention`] without autograd, for hand-written backward passes: the output and what
-/// its backward needs. CPU, or bf16 with head_dim 128 on CUDA (see [`crate::explicit_backward`]).
+/// its backward needs. Every device and dtype: where no kernel exists (f32 on CUDA, head_dim other
+/// than 128) the composed op runs on leaf copies of q, k, v and keeps its graph for the backward.
 pub fn varlen_attention_saved(
     q: &Tensor,
     k: &Tensor,
@@ -243,20 +122,20 @@ pub fn varlen_attention_saved(
     cu_seqlens_q: &Arc<[u32]>,
     cu_seqlens_k: &Arc<[u32]>,
     softmax_scale: f64,
+    kernels: &KernelConfig,
 ) -> Result<(Tensor, AttentionSaved)> {
-    if !crate::explicit_backward(q.device(), q.dtype(), q.dim(candle_core::D::Minus1)?) {
-        bail!(
-            "varlen_attention_saved: no explicit kernel for {:?} {:?} on this device",
-            q.dtype(),
-            q.dims()
-        );
+    if !kernel_path(q, k, v)? {
+        let (out, graph) = crate::composed::Graph::run(&[q, k, v], |t| {
+            crate::composed::varlen_attention(&t[0], &t[1], &t[2], cu_seqlens_q, cu_seqlens_k, softmax_scale)
+        })?;
+        return Ok((out, AttentionSaved(SavedAttention::Graph(graph))));
     }
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
-    let op = VarlenAttention::new(cu_seqlens_q, cu_seqlens_k, softmax_scale);
+    crate::checks::attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
+    let op = VarlenAttention::new(cu_seqlens_q, cu_seqlens_k, softmax_scale, kernels);
     let out = q
         .contiguous()?
         .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
-    Ok((out, AttentionSaved { op }))
+    Ok((out, AttentionSaved(SavedAttention::Kernel(op))))
 }
 
 /// The backward of [`varlen_attention_saved`]: `(dq, dk, dv)` for the upstream gradient `dout`.
@@ -277,8 +156,16 @@ pub fn varlen_attention_backward(
             q.dims()
         );
     }
+    let op = match &saved.0 {
+        SavedAttention::Kernel(op) => op,
+        SavedAttention::Graph(graph) => {
+            let mut g = graph.backward(dout)?.into_iter();
+            let (dq, dk, dv) = (g.next(), g.next(), g.next());
+            return Ok((dq.expect("dq"), dk.expect("dk"), dv.expect("dv")));
+        }
+    };
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (dq, dk, dv) = saved.op.bwd(&q, &k, &v, out, dout)?;
+    let (dq, dk, dv) = op.bwd(&q, &k, &v, out, dout)?;
     Ok((
         dq.expect("attention dq"),
         dk.expect("attention dk"),
@@ -291,6 +178,9 @@ struct VarlenAttention {
     cu_q: Arc<[u32]>,
     cu_k: Arc<[u32]>,
     scale: f64,
+    /// The kernel choice of the forward, which its backward keeps.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    kernels: KernelConfig,
     /// The CUDA forward's log-sum-exp, which its backward reads (the CPU backward recomputes the
     /// softmax per row instead).
     #[cfg(feature = "cuda")]
@@ -298,11 +188,12 @@ struct VarlenAttention {
 }
 
 impl VarlenAttention {
-    fn new(cu_q: &Arc<[u32]>, cu_k: &Arc<[u32]>, scale: f64) -> Self {
+    fn new(cu_q: &Arc<[u32]>, cu_k: &Arc<[u32]>, scale: f64, kernels: &KernelConfig) -> Self {
         Self {
             cu_q: cu_q.clone(),
             cu_k: cu_k.clone(),
             scale,
+            kernels: kernels.clone(),
             #[cfg(feature = "cuda")]
             lse: Default::default(),
         }
@@ -565,7 +456,19 @@ impl CustomOp3 for VarlenAttention {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         Geom::new(l1, l2)?;
-        crate::cuda::flash_fwd(s1, l1, s2, l2, s3, l3, &self.cu_q, &self.cu_k, self.scale, &self.lse)
+        crate::cuda::flash_fwd(
+            s1,
+            l1,
+            s2,
+            l2,
+            s3,
+            l3,
+            &self.cu_q,
+            &self.cu_k,
+            self.scale,
+            &self.kernels,
+            &self.lse,
+        )
     }
 
     fn bwd(
@@ -673,6 +576,7 @@ impl CustomOp3 for VarlenAttentionBwd {
             &f.cu_q,
             &f.cu_k,
             f.scale,
+            &f.kernels,
             &f.lse,
         )
     }

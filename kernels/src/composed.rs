@@ -4,8 +4,9 @@
 //! narrow/cat, index_select, gather, where_cond, to_dtype, silu).
 //!
 //! Two uses: it is what the public ops run on a non-CPU device where no fused kernel applies (any
-//! dtype but bf16 on CUDA, attention with head_dim other than 128; see `crate::fused_cuda`), and it
-//! is a reference the fused kernels are tested against (`tests/composed.rs`).
+//! dtype but bf16 on CUDA, attention with head_dim other than 128; see `crate::fused_cuda`), also
+//! under a local autograd graph for their explicit `*_backward` forms, and it is a reference the
+//! fused kernels are tested against (`tests/composed.rs`).
 //! candle's own `rms_norm`, `rope`, `softmax_last_dim` and flash-attn record no backward, so none
 //! of them appears here.
 //!
@@ -32,12 +33,12 @@
 //!   V]` intermediates until backward, i.e. O(T x V) memory in training; chunking bounds only the
 //!   forward without gradients (e.g. recomputing old logprobs).
 //!
-//! Inputs are validated by the fused wrappers' own checks (`attention::validate`,
-//! `lm_head::validate`, and the same shape checks for the elementwise ops), so both paths give the
+//! Inputs are validated by the fused wrappers' own checks (`checks::attention`,
+//! `checks::lm_head`, and the same shape checks for the elementwise ops), so both paths give the
 //! same error messages; `tests/composed.rs` asserts it.
-use crate::lm_head::IGNORE_TARGET;
+use crate::checks::IGNORE_TARGET;
 use crate::real::same_dtype;
-use candle_core::{bail, DType, Result, Tensor, D};
+use candle_core::{bail, DType, Result, Tensor, Var, D};
 use std::sync::Arc;
 
 /// The dtype an op computes in for inputs of `dtype`: f64 stays f64, f32/bf16/f16 compute in f32.
@@ -120,7 +121,7 @@ pub fn varlen_attention(
     cu_seqlens_k: &Arc<[u32]>,
     softmax_scale: f64,
 ) -> Result<Tensor> {
-    crate::attention::validate(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
+    crate::checks::attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)?;
     let (tq, h, d) = q.dims3()?;
     let hkv = k.dim(1)?;
     let dtype = q.dtype();
@@ -173,7 +174,7 @@ pub fn logprobs_entropy(
     targets: &Arc<[u32]>,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
-    let (t, _h, _v) = crate::lm_head::validate(hidden, lm_head, targets, chunk_tokens)?;
+    let (t, _h, _v) = crate::checks::lm_head(hidden, lm_head, targets, chunk_tokens)?;
     let acc = compute_dtype("logprobs_entropy", hidden.dtype())?;
     let dev = hidden.device();
     if t == 0 {
@@ -203,4 +204,60 @@ pub fn logprobs_entropy(
         logprobs.push((lp * keep.narrow(0, start, len)?)?);
     }
     Ok((Tensor::cat(&logprobs, 0)?, Tensor::cat(&entropy, 0)?))
+}
+
+/// A composed op run on leaf copies of its inputs under a local autograd graph, kept for its
+/// backward: the explicit (no model-level autograd) form of an op wherever no kernel exists. The
+/// graph holds what candle's autograd would (the attention scores, the LM head's `[T, V]` blocks).
+#[derive(Debug, Clone)]
+pub struct Graph {
+    inputs: Vec<Var>,
+    out: Tensor,
+}
+
+impl Graph {
+    /// Runs `f` on leaf copies of `inputs`; returns its output (detached) and the graph.
+    pub fn run(inputs: &[&Tensor], f: impl FnOnce(&[Tensor]) -> Result<Tensor>) -> Result<(Tensor, Graph)> {
+        let inputs = inputs.iter().map(|t| Var::from_tensor(t)).collect::<Result<Vec<_>>>()?;
+        let leaves: Vec<Tensor> = inputs.iter().map(|v| v.as_tensor().clone()).collect();
+        let out = f(&leaves)?;
+        Ok((out.detach(), Graph { inputs, out }))
+    }
+
+    /// The gradient of every input for the output gradient `dout` (zeros for an input the output
+    /// does not depend on).
+    pub fn backward(&self, dout: &Tensor) -> Result<Vec<Tensor>> {
+        let mut grads = crate::vjp_seed(&self.out, &dout.to_dtype(self.out.dtype())?)?.backward()?;
+        self.inputs
+            .iter()
+            .map(|v| match grads.remove(v.as_tensor()) {
+                Some(g) => Ok(g),
+                None => v.as_tensor().zeros_like(),
+            })
+            .collect()
+    }
+}
+
+fn two(g: Vec<Tensor>) -> (Tensor, Tensor) {
+    let mut g = g.into_iter();
+    (g.next().expect("two gradients"), g.next().expect("two gradients"))
+}
+
+/// `(dx, dweight)` of [`rms_norm`] through its autograd; see [`crate::rms_norm_backward`].
+pub fn rms_norm_backward(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (_, g) = Graph::run(&[x, weight], |t| rms_norm(&t[0], &t[1], eps))?;
+    Ok(two(g.backward(dy)?))
+}
+
+/// The backward of [`rope`] through its autograd (a rotation is linear: any input serves, zeros
+/// here); see [`crate::rope_backward`].
+pub fn rope_backward(dy: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
+    let (_, g) = Graph::run(&[&dy.zeros_like()?], |t| rope(&t[0], positions, theta))?;
+    Ok(g.backward(dy)?.remove(0))
+}
+
+/// `(d_gate, d_up)` of [`swiglu`] through its autograd; see [`crate::swiglu_backward`].
+pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (_, g) = Graph::run(&[gate, up], |t| swiglu(&t[0], &t[1]))?;
+    Ok(two(g.backward(dy)?))
 }

@@ -15,6 +15,9 @@
 //!   f32 output (the logits are never rounded to bf16), then folds it into per-row running softmax
 //!   statistics; the backward recomputes the block, turns it into `dlogits` (bf16, as torch's bf16
 //!   autograd has it) and runs two GEMMs. At most `rows x VOCAB_CHUNK` logits exist at a time.
+#[cfg(feature = "cudnn")]
+use crate::config::AttentionBackend;
+use crate::config::KernelConfig;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as blas_sys};
 use candle_core::cuda_backend::cudarc::driver::{
@@ -658,14 +661,19 @@ const FLASH_BWD_SMEM: u32 = 107_520;
 #[derive(Default)]
 pub(crate) struct SavedLse(Mutex<Option<(CudaSlice<f32>, Option<crate::cudnn::Plan>)>>);
 
-/// The cuDNN plan for this call if the attention backend asks for cuDNN and the shape fits it;
-/// `None` runs the flash kernel. `--attention-backend fused` turns a refusal into an error,
-/// `auto` reports it once and runs flash.
+/// The cuDNN plan for this call if `kernels` asks for cuDNN and the shape fits it; `None` runs
+/// the flash kernel. `--attention-backend fused` turns a refusal into an error, `auto` runs flash.
 #[cfg(feature = "cudnn")]
-fn cudnn_plan(cu_q: &[u32], cu_k: &[u32], h: usize, hkv: usize, d: usize) -> Result<Option<crate::cudnn::Plan>> {
-    use crate::attention::{attention_backend, AttentionBackend};
-    let backend = attention_backend();
-    if backend == AttentionBackend::Flash || cudnn_off() {
+fn cudnn_plan(
+    kernels: &KernelConfig,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    h: usize,
+    hkv: usize,
+    d: usize,
+) -> Result<Option<crate::cudnn::Plan>> {
+    let backend = kernels.attention();
+    if !kernels.wants_cudnn() {
         return Ok(None);
     }
     match crate::cudnn::Plan::new(cu_q, cu_k, h, hkv, d) {
@@ -679,29 +687,6 @@ fn cudnn_plan(cu_q: &[u32], cu_k: &[u32], h: usize, hkv: usize, d: usize) -> Res
         }
         Err(_) => Ok(None),
     }
-}
-
-/// Set once cuDNN failed under `auto`: every later call runs the flash kernel.
-#[cfg(feature = "cudnn")]
-static CUDNN_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-#[cfg(feature = "cudnn")]
-pub(crate) fn cudnn_off() -> bool {
-    CUDNN_OFF.load(std::sync::atomic::Ordering::Relaxed)
-}
-
-/// A cuDNN failure under `auto` (the library missing, a graph it refuses): reported once, then
-/// the flash kernel takes over. Under `fused` it is the caller's error.
-#[cfg(feature = "cudnn")]
-fn cudnn_failed(e: candle_core::Error) -> Result<()> {
-    use crate::attention::{attention_backend, AttentionBackend};
-    if attention_backend() == AttentionBackend::Fused {
-        return Err(e);
-    }
-    if !CUDNN_OFF.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        eprintln!("vime: cuDNN attention unavailable, using the flash kernel from now on ({e})");
-    }
-    Ok(())
 }
 
 impl std::fmt::Debug for SavedLse {
@@ -745,8 +730,11 @@ pub(crate) fn flash_fwd(
     cu_q: &[u32],
     cu_k: &[u32],
     scale: f64,
+    kernels: &KernelConfig,
     saved: &SavedLse,
 ) -> Result<(CudaStorage, Shape)> {
+    #[cfg(not(feature = "cudnn"))]
+    let _ = kernels;
     check_bf16("varlen_attention", &[q.dtype(), k.dtype(), v.dtype()])?;
     let dev = &q.device;
     let (tq, h) = (lq.dims()[0], lq.dims()[1]);
@@ -755,7 +743,7 @@ pub(crate) fn flash_fwd(
     let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
     #[cfg(feature = "cudnn")]
     if tq > 0 {
-        if let Some(plan) = cudnn_plan(cu_q, cu_k, h, hkv, lq.dims()[2])? {
+        if let Some(plan) = cudnn_plan(kernels, cu_q, cu_k, h, hkv, lq.dims()[2])? {
             let ptrs = crate::cudnn::Ptrs {
                 q: addr::<bf16>(q, lq, "varlen_attention")?,
                 k: addr::<bf16>(k, lk, "varlen_attention")?,
@@ -769,7 +757,7 @@ pub(crate) fn flash_fwd(
                     *saved.0.lock().unwrap() = Some((lse, Some(plan)));
                     return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()));
                 }
-                Err(e) => cudnn_failed(e)?,
+                Err(e) => kernels.cudnn_failed(e)?,
             }
         }
     }
@@ -820,8 +808,11 @@ pub(crate) fn flash_bwd(
     cu_q: &[u32],
     cu_k: &[u32],
     scale: f64,
+    kernels: &KernelConfig,
     saved: &SavedLse,
 ) -> Result<(CudaStorage, Shape)> {
+    #[cfg(not(feature = "cudnn"))]
+    let _ = kernels;
     check_bf16(
         "varlen_attention backward",
         &[q.dtype(), k.dtype(), v.dtype(), out.dtype(), dout.dtype()],
@@ -849,8 +840,7 @@ pub(crate) fn flash_bwd(
             dk: dqp + (nq * 2) as u64,
             dv: dqp + ((nq + nk) * 2) as u64,
         };
-        let det = crate::attention::deterministic_attention();
-        crate::cudnn::run(dev, plan, true, det, scale, &ptrs)?;
+        crate::cudnn::run(dev, plan, true, kernels.deterministic(), scale, &ptrs)?;
         return Ok((
             CudaStorage::wrap_cuda_slice(packed, dev.clone()),
             Shape::from(nq + 2 * nk),

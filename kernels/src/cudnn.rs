@@ -23,7 +23,8 @@
 //! - Offsets are int32 element counts (`T x H x D` must stay below 2^31); calls beyond that
 //!   report [`Unsupported`] and run the flash kernel (`fused`: an error).
 //! - libcudnn and libcudart are loaded at first use (dynamic loading in the frontend); a load or
-//!   graph failure under `auto` is reported once and the flash kernel takes over.
+//!   graph failure under `auto` is reported once and the flash kernel takes over for that
+//!   `KernelConfig` (its `fallback` policy), or is an error (`error` policy: several ranks).
 #[cfg(feature = "cudnn")]
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
 #[cfg(feature = "cudnn")]

@@ -17,8 +17,18 @@
 //!   (`cuda/*.cu`, host side in [`cuda`]). Any other device/dtype (f32 on CUDA, say) runs
 //!   [`composed`], the same op built from candle tensor ops with autograd backward; [`composed`]
 //!   is also the reference the fused kernels are tested against.
+//! - The explicit (no-autograd) forward/backward pairs (`*_backward`, [`varlen_attention_saved`],
+//!   [`logprobs_entropy_saved`]) exist on every device and dtype: where no kernel exists they run
+//!   the [`composed`] op under a local autograd graph and return its gradients, so a model's
+//!   hand-written backward needs no second, autograd code path.
+//! - Kernel choice is a value ([`KernelConfig`], in [`config`]) passed to the attention ops; the
+//!   crate holds no process-global settings (the CUDA module cache is only a cache).
+//! - Module dependencies point one way: [`config`], `checks` and [`real`] import nothing
+//!   of the ops; the ops import [`composed`] (their fallback), `cuda` (their kernels) and [`vjp`].
 pub mod attention;
+mod checks;
 pub mod composed;
+pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
@@ -33,10 +43,9 @@ pub mod testing;
 pub mod vjp;
 
 pub use attention::{
-    attention_backend, cuda_attention_kernel, cudnn_graph_stats, deterministic_attention, set_attention_backend,
-    set_deterministic_attention, varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionBackend,
-    AttentionSaved, CUDNN_BUILT,
+    cudnn_graph_stats, varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved,
 };
+pub use config::{AttentionBackend, CudnnFailure, KernelConfig, CUDNN_BUILT};
 pub use embedding::embedding_backward;
 pub use lm_head::{logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, LmHeadSaved, IGNORE_TARGET};
 pub use real::Real;
@@ -57,14 +66,6 @@ pub fn fused_cuda(device: &candle_core::Device, dtype: candle_core::DType) -> bo
         let _ = (device, dtype);
         false
     }
-}
-
-/// Whether the explicit forward/backward pairs (`*_backward`, [`varlen_attention_saved`]) run for
-/// tensors of this device, dtype and head size: the CPU kernels (any float dtype), or the fused
-/// CUDA kernels (bf16, head_dim 128). Elsewhere only the autograd ops (which fall back to
-/// [`composed`]) exist.
-pub fn explicit_backward(device: &candle_core::Device, dtype: candle_core::DType, head_dim: usize) -> bool {
-    device.is_cpu() || (fused_cuda(device, dtype) && head_dim == 128)
 }
 
 /// A linear layer's weight gradient `dy^T x` (`dy: [T, out]`, `x: [T, in]`), `[out, in]` in at

@@ -37,8 +37,7 @@ use rayon::prelude::*;
 use std::borrow::Cow;
 use std::sync::Arc;
 
-/// Target id meaning "no next token here": its log-prob is 0 and gets no gradient.
-pub const IGNORE_TARGET: u32 = u32::MAX;
+pub use crate::checks::IGNORE_TARGET;
 
 /// Elements per rayon task when adding a chunk's `d_lm_head` into the accumulator.
 const ADD_CHUNK: usize = 1 << 16;
@@ -59,7 +58,7 @@ pub fn logprobs_entropy(
     if !(hidden.device().is_cpu() || fused) {
         return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
     }
-    validate(hidden, lm_head, targets, chunk_tokens)?;
+    crate::checks::lm_head(hidden, lm_head, targets, chunk_tokens)?;
     let op = LmHead {
         targets: targets.clone(),
         chunk_tokens,
@@ -75,16 +74,26 @@ fn split(out: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((logprobs, entropy))
 }
 
-/// What [`logprobs_entropy_backward`] needs from [`logprobs_entropy_saved`].
+/// What [`logprobs_entropy_backward`] needs from [`logprobs_entropy_saved`]: the kernel op and
+/// its raw output, or, where no kernel exists, the composed op's local autograd graph.
 #[derive(Debug, Clone)]
-pub struct LmHeadSaved {
-    op: LmHead,
-    /// The op's raw output (`[T, 2]`, or `[T, 3]` with the log-sum-exp on CUDA).
-    out: Tensor,
+pub struct LmHeadSaved(SavedLmHead);
+
+#[derive(Debug, Clone)]
+enum SavedLmHead {
+    Kernel {
+        op: LmHead,
+        /// The op's raw output (`[T, 2]`, or `[T, 3]` with the log-sum-exp on CUDA).
+        out: Tensor,
+    },
+    /// The composed op's graph, its output `[T, 2]` (logprob, entropy).
+    Graph(crate::composed::Graph),
 }
 
 /// [`logprobs_entropy`] without autograd, for hand-written backward passes: `(logprobs, entropy)`
-/// and what the backward needs. CPU, or bf16 on CUDA.
+/// and what the backward needs. Every device and dtype: where no kernel exists the composed op
+/// runs on leaf copies of `hidden` and `lm_head` and keeps its graph (`[T, V]` intermediates, as
+/// autograd over it would) for the backward.
 pub fn logprobs_entropy_saved(
     hidden: &Tensor,
     lm_head: &Tensor,
@@ -93,19 +102,21 @@ pub fn logprobs_entropy_saved(
 ) -> Result<(Tensor, Tensor, LmHeadSaved)> {
     let fused = crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype();
     if !(hidden.device().is_cpu() || fused) {
-        bail!(
-            "logprobs_entropy_saved: no explicit kernel for {:?} on this device",
-            hidden.dtype()
-        );
+        let (out, graph) = crate::composed::Graph::run(&[hidden, lm_head], |t| {
+            let (lp, ent) = crate::composed::logprobs_entropy(&t[0], &t[1], targets, chunk_tokens)?;
+            Tensor::stack(&[lp, ent], 1)
+        })?;
+        let (lp, ent) = split(&out)?;
+        return Ok((lp, ent, LmHeadSaved(SavedLmHead::Graph(graph))));
     }
-    validate(hidden, lm_head, targets, chunk_tokens)?;
+    crate::checks::lm_head(hidden, lm_head, targets, chunk_tokens)?;
     let op = LmHead {
         targets: targets.clone(),
         chunk_tokens,
     };
     let out = hidden.contiguous()?.apply_op2_no_bwd(&lm_head.contiguous()?, &op)?;
     let (logprobs, entropy) = split(&out)?;
-    Ok((logprobs, entropy, LmHeadSaved { op, out }))
+    Ok((logprobs, entropy, LmHeadSaved(SavedLmHead::Kernel { op, out })))
 }
 
 /// The backward of [`logprobs_entropy_saved`]: `(d_hidden, d_lm_head)` (input dtype) for the
@@ -117,7 +128,16 @@ pub fn logprobs_entropy_backward(
     d_logprobs: &Tensor,
     d_entropy: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let (t, cols) = saved.out.dims2()?;
+    let (op, out) = match &saved.0 {
+        SavedLmHead::Kernel { op, out } => (op, out),
+        SavedLmHead::Graph(graph) => {
+            let d = Tensor::stack(&[d_logprobs.clone(), d_entropy.to_dtype(d_logprobs.dtype())?], 1)?;
+            let mut g = graph.backward(&d)?.into_iter();
+            let (dh, dw) = (g.next(), g.next());
+            return Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")));
+        }
+    };
+    let (t, cols) = out.dims2()?;
     if d_logprobs.dims() != [t] || d_entropy.dims() != [t] {
         bail!(
             "logprobs_entropy_backward: gradients {:?} and {:?} for {t} tokens",
@@ -125,15 +145,13 @@ pub fn logprobs_entropy_backward(
             d_entropy.dims()
         );
     }
-    let dt = saved.out.dtype();
+    let dt = out.dtype();
     let mut grad = Tensor::stack(&[d_logprobs.to_dtype(dt)?, d_entropy.to_dtype(dt)?], 1)?;
     if cols > 2 {
         // CUDA's third column (the log-sum-exp) is internal: no gradient.
-        grad = Tensor::cat(&[grad, Tensor::zeros((t, cols - 2), dt, saved.out.device())?], 1)?;
+        grad = Tensor::cat(&[grad, Tensor::zeros((t, cols - 2), dt, out.device())?], 1)?;
     }
-    let (dh, dw) = saved
-        .op
-        .bwd(&hidden.contiguous()?, &lm_head.contiguous()?, &saved.out, &grad)?;
+    let (dh, dw) = op.bwd(&hidden.contiguous()?, &lm_head.contiguous()?, out, &grad)?;
     Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")))
 }
 
@@ -387,50 +405,4 @@ impl CustomOp3 for LmHeadBwd {
         sizes(op, l1, l2, &self.targets, self.chunk_tokens)?;
         crate::cuda::lm_head_bwd(s1, l1, s2, l2, s3, l3, &self.fwd_out, &self.targets, self.chunk_tokens)
     }
-}
-
-/// Every check of [`logprobs_entropy`] (the composed path runs the same ones); returns `(T, H, V)`.
-pub(crate) fn validate(
-    hidden: &Tensor,
-    lm_head: &Tensor,
-    targets: &[u32],
-    chunk_tokens: usize,
-) -> Result<(usize, usize, usize)> {
-    let (t, h) = match hidden.dims() {
-        &[t, h] => (t, h),
-        d => bail!("logprobs_entropy: hidden must be [T, H], got {d:?}"),
-    };
-    let (v, hw) = match lm_head.dims() {
-        &[v, hw] => (v, hw),
-        d => bail!("logprobs_entropy: lm_head must be [V, H], got {d:?}"),
-    };
-    if hw != h {
-        bail!(
-            "logprobs_entropy: lm_head {:?} does not match the hidden size {h} of hidden {:?}",
-            lm_head.dims(),
-            hidden.dims()
-        );
-    }
-    if v == 0 {
-        bail!("logprobs_entropy: lm_head has an empty vocabulary");
-    }
-    if targets.len() != t {
-        bail!(
-            "logprobs_entropy: {} targets for {t} tokens (hidden {:?})",
-            targets.len(),
-            hidden.dims()
-        );
-    }
-    if chunk_tokens == 0 {
-        bail!("logprobs_entropy: chunk_tokens must be > 0");
-    }
-    same_dtype("logprobs_entropy", &[hidden.dtype(), lm_head.dtype()])?;
-    if let Some((i, &id)) = targets
-        .iter()
-        .enumerate()
-        .find(|&(_, &id)| id != IGNORE_TARGET && id as usize >= v)
-    {
-        bail!("logprobs_entropy: target {id} of token {i} is out of range for a vocabulary of {v}");
-    }
-    Ok((t, h, v))
 }

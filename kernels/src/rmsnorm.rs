@@ -33,21 +33,19 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// The backward of [`rms_norm`] without autograd, for hand-written backward passes:
-/// `(dx, dweight)` for the upstream gradient `dy`. CPU, or bf16 on CUDA (see
-/// [`crate::explicit_backward`]).
+/// `(dx, dweight)` for the upstream gradient `dy`. The CPU and fused CUDA kernels where they
+/// apply, else the composed op's autograd on leaf copies of `x` and `weight`.
 pub fn rms_norm_backward(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> Result<(Tensor, Tensor)> {
-    if !(x.device().is_cpu() || crate::fused_cuda(x.device(), x.dtype())) {
-        bail!(
-            "rms_norm_backward: no explicit kernel for {:?} on this device",
-            x.dtype()
-        );
-    }
     if dy.dims() != x.dims() {
         bail!(
             "rms_norm_backward: dy {:?} and x {:?} differ in shape",
             dy.dims(),
             x.dims()
         );
+    }
+    let fused = crate::fused_cuda(x.device(), x.dtype()) && weight.dtype() == x.dtype();
+    if !(x.device().is_cpu() || fused) {
+        return crate::composed::rms_norm_backward(x, weight, eps, dy);
     }
     let (x, weight) = (x.contiguous()?, weight.contiguous()?);
     let (dx, dw) = RmsNorm { eps }.bwd(&x, &weight, &x, dy)?;

@@ -34,10 +34,11 @@ pub fn rope(x: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
     })
 }
 
-/// The backward of [`rope`] without autograd: the rotation of `dy` by the opposite angles.
+/// The backward of [`rope`] without autograd: the rotation of `dy` by the opposite angles. Where
+/// no kernel exists, [`crate::composed::rope_backward`].
 pub fn rope_backward(dy: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<Tensor> {
     if !dy.device().is_cpu() && !crate::fused_cuda(dy.device(), dy.dtype()) {
-        bail!("rope_backward: no explicit kernel for {:?} on this device", dy.dtype());
+        return crate::composed::rope_backward(dy, positions, theta);
     }
     let (t, _h, d) = dy.dims3()?;
     if positions.len() != t || d % 2 != 0 {

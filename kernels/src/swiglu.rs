@@ -23,13 +23,8 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// The backward of [`swiglu`] without autograd: `(d_gate, d_up)` for the upstream gradient `dy`.
+/// Where no kernel exists, the composed op's autograd on leaf copies of `gate` and `up`.
 pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
-    if !(gate.device().is_cpu() || crate::fused_cuda(gate.device(), gate.dtype())) {
-        bail!(
-            "swiglu_backward: no explicit kernel for {:?} on this device",
-            gate.dtype()
-        );
-    }
     if gate.dims() != up.dims() || dy.dims() != gate.dims() {
         bail!(
             "swiglu_backward: gate {:?}, up {:?} and dy {:?} must match",
@@ -37,6 +32,10 @@ pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tenso
             up.dims(),
             dy.dims()
         );
+    }
+    let fused = crate::fused_cuda(gate.device(), gate.dtype()) && up.dtype() == gate.dtype();
+    if !(gate.device().is_cpu() || fused) {
+        return crate::composed::swiglu_backward(gate, up, dy);
     }
     let (gate, up) = (gate.contiguous()?, up.contiguous()?);
     let (dg, du) = SwiGlu.bwd(&gate, &up, &gate, dy)?;

@@ -4,7 +4,19 @@
 use candle_core::{DType, Device, Result, Tensor, D};
 use std::sync::Arc;
 use vime_kernels::testing::{autograd_grads, finite_diff_grads, rel_err, weighted_sum, Rng};
-use vime_kernels::varlen_attention;
+use vime_kernels::{AttentionBackend, CudnnFailure, KernelConfig};
+
+/// The op under the default kernel config (the CPU path never consults it).
+fn varlen_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_q: &Arc<[u32]>,
+    cu_k: &Arc<[u32]>,
+    scale: f64,
+) -> Result<Tensor> {
+    vime_kernels::varlen_attention(q, k, v, cu_q, cu_k, scale, &KernelConfig::default())
+}
 
 fn cu(lens: &[u32]) -> Arc<[u32]> {
     let mut out = vec![0u32];
@@ -306,25 +318,19 @@ fn rejects_bad_inputs_with_clear_errors() -> Result<()> {
 
 #[test]
 fn attention_backend_names_parse_and_fused_needs_the_cudnn_build() {
-    use vime_kernels::AttentionBackend as B;
+    use AttentionBackend as B;
     assert_eq!("auto".parse::<B>().unwrap(), B::Auto);
     assert_eq!("fused".parse::<B>().unwrap(), B::Fused);
     assert_eq!("cudnn".parse::<B>().unwrap(), B::Fused);
     assert_eq!("flash".parse::<B>().unwrap(), B::Flash);
     let e = "local".parse::<B>().unwrap_err();
     assert!(e.contains("local") && e.contains("auto, fused"), "{e}");
-    let r = vime_kernels::set_attention_backend(B::Fused);
+    let r = KernelConfig::new(B::Fused, false, CudnnFailure::Fallback);
     if cfg!(feature = "cudnn") {
-        r.unwrap();
-        vime_kernels::set_attention_backend(B::Auto).unwrap();
+        assert_eq!(r.unwrap().attention(), B::Fused);
     } else {
-        let e = r.unwrap_err().to_string();
+        let e = r.unwrap_err();
         assert!(e.contains("cudnn feature"), "{e}");
-        assert_eq!(
-            vime_kernels::attention_backend(),
-            B::Auto,
-            "a refused setting changes nothing"
-        );
     }
     // The CPU path never consults the backend: flash / auto give bit-identical results.
     let c = cu(&[5, 3]);
@@ -333,8 +339,7 @@ fn attention_backend_names_parse_and_fused_needs_the_cudnn_build() {
     let k = rng.randn(&[8, 2, 8], 1.0, DType::F32, &Device::Cpu).unwrap();
     let v = rng.randn(&[8, 2, 8], 1.0, DType::F32, &Device::Cpu).unwrap();
     let a = varlen_attention(&q, &k, &v, &c, &c, 0.3).unwrap();
-    vime_kernels::set_attention_backend(B::Flash).unwrap();
-    let b = varlen_attention(&q, &k, &v, &c, &c, 0.3).unwrap();
-    vime_kernels::set_attention_backend(B::Auto).unwrap();
+    let flash = KernelConfig::new(B::Flash, true, CudnnFailure::Error).unwrap();
+    let b = vime_kernels::varlen_attention(&q, &k, &v, &c, &c, 0.3, &flash).unwrap();
     assert_eq!(bits(&a).unwrap(), bits(&b).unwrap());
 }

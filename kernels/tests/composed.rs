@@ -144,7 +144,7 @@ fn varlen_attention_matches_fused() -> Result<()> {
         compare(
             "varlen_attention",
             tol,
-            &|t| vime_kernels::varlen_attention(&t[0], &t[1], &t[2], &cu_q, &cu_k, scale),
+            &|t| vime_kernels::varlen_attention(&t[0], &t[1], &t[2], &cu_q, &cu_k, scale, &Default::default()),
             &|t| composed::varlen_attention(&t[0], &t[1], &t[2], &cu_q, &cu_k, scale),
             &[q, k, v],
         )?;
@@ -308,7 +308,7 @@ fn bad_inputs_give_the_fused_errors() -> Result<()> {
     for (case, q, k, v, cu_q, cu_k, scale) in attention_cases {
         same_error(
             &format!("varlen_attention {case}"),
-            vime_kernels::varlen_attention(q, k, v, &cu_q, &cu_k, scale),
+            vime_kernels::varlen_attention(q, k, v, &cu_q, &cu_k, scale, &Default::default()),
             composed::varlen_attention(q, k, v, &cu_q, &cu_k, scale),
         );
     }
@@ -331,6 +331,81 @@ fn bad_inputs_give_the_fused_errors() -> Result<()> {
             vime_kernels::logprobs_entropy(hidden, lm_head, &tg, chunk),
             composed::logprobs_entropy(hidden, lm_head, &tg, chunk),
         );
+    }
+    Ok(())
+}
+
+/// Every gradient pair `(ours, theirs)` within `tol` (norm-wise relative error).
+fn close(name: &str, tol: f64, pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
+    for (i, (a, b)) in pairs.iter().enumerate() {
+        assert_eq!(a.dims(), b.dims(), "{name}: gradient {i} shape");
+        let e = rel_err(&a.to_dtype(DType::F64)?, &b.to_dtype(DType::F64)?)?;
+        assert!(e <= tol, "{name}: gradient {i} relative error {e:e} > {tol:e}");
+    }
+    Ok(())
+}
+
+/// The explicit backward forms that the kernels fall back to where no kernel exists (the
+/// composed op under a local autograd graph) give the CPU kernels' explicit gradients.
+#[test]
+fn explicit_fallbacks_match_the_kernels() -> Result<()> {
+    let mut rng = Rng::new(23);
+    for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-5)] {
+        let x = rng.randn(&[6, 3, 8], 1.0, dtype, &CPU)?;
+        let w = (rng.randn(&[8], 0.2, dtype, &CPU)? + 1.0)?;
+        let dy = rng.randn(&[6, 3, 8], 1.0, dtype, &CPU)?;
+        let (a, b) = composed::rms_norm_backward(&x, &w, 1e-6, &dy)?;
+        let (c, d) = vime_kernels::rms_norm_backward(&x, &w, 1e-6, &dy)?;
+        close("rms_norm_backward", tol, &[(&a, &c), (&b, &d)])?;
+
+        let p: Arc<[u32]> = vec![0u32, 1, 2, 7, 0, 3].into();
+        let a = composed::rope_backward(&dy, &p, 1e4)?;
+        let c = vime_kernels::rope_backward(&dy, &p, 1e4)?;
+        // The CPU kernel computes its angles in f32 (see the composed module docs).
+        close("rope_backward", tol.max(1e-6), &[(&a, &c)])?;
+
+        let (g, u) = (
+            rng.randn(&[5, 7], 2.0, dtype, &CPU)?,
+            rng.randn(&[5, 7], 1.0, dtype, &CPU)?,
+        );
+        let dy = rng.randn(&[5, 7], 1.0, dtype, &CPU)?;
+        let (a, b) = composed::swiglu_backward(&g, &u, &dy)?;
+        let (c, d) = vime_kernels::swiglu_backward(&g, &u, &dy)?;
+        close("swiglu_backward", tol, &[(&a, &c), (&b, &d)])?;
+
+        let (cq, ck) = (cu(&[3, 1, 4]), cu(&[5, 1, 4]));
+        let q = rng.randn(&[8, 4, 8], 1.0, dtype, &CPU)?;
+        let k = rng.randn(&[10, 2, 8], 1.0, dtype, &CPU)?;
+        let v = rng.randn(&[10, 2, 8], 1.0, dtype, &CPU)?;
+        let dout = rng.randn(&[8, 4, 8], 1.0, dtype, &CPU)?;
+        let kc = vime_kernels::KernelConfig::default();
+        let (o1, graph) = composed::Graph::run(&[&q, &k, &v], |t| {
+            composed::varlen_attention(&t[0], &t[1], &t[2], &cq, &ck, 0.3)
+        })?;
+        let g1 = graph.backward(&dout)?;
+        let (o2, saved) = vime_kernels::varlen_attention_saved(&q, &k, &v, &cq, &ck, 0.3, &kc)?;
+        let (dq, dk, dv) = vime_kernels::varlen_attention_backward(&saved, &q, &k, &v, &o2, &dout)?;
+        close(
+            "attention",
+            tol,
+            &[(&o1, &o2), (&g1[0], &dq), (&g1[1], &dk), (&g1[2], &dv)],
+        )?;
+
+        let (h, lm, tg) = lm_head_case(9, 8, 13, &[2, 8], dtype)?;
+        let (dlp, dent) = (rng.randn(&[9], 1.0, dtype, &CPU)?, rng.randn(&[9], 1.0, dtype, &CPU)?);
+        let (out, graph) = composed::Graph::run(&[&h, &lm], |t| {
+            stacked(composed::logprobs_entropy(&t[0], &t[1], &tg, 4)?)
+        })?;
+        let acc = out.dtype();
+        let g1 = graph.backward(&Tensor::stack(&[dlp.to_dtype(acc)?, dent.to_dtype(acc)?], 0)?)?;
+        let (lp, ent, saved) = vime_kernels::logprobs_entropy_saved(&h, &lm, &tg, 4)?;
+        let (dh, dw) =
+            vime_kernels::logprobs_entropy_backward(&saved, &h, &lm, &dlp.to_dtype(acc)?, &dent.to_dtype(acc)?)?;
+        close(
+            "lm head",
+            tol,
+            &[(&out, &stacked((lp, ent))?), (&g1[0], &dh), (&g1[1], &dw)],
+        )?;
     }
     Ok(())
 }

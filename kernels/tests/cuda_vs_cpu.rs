@@ -16,6 +16,12 @@ use vime_kernels::testing::{autograd_grads, rel_err, weighted_sum, Rng};
 const TOL: f64 = 1e-2;
 
 /// The attention kernels this build has: vime's flash kernel, and cuDNN's with the cudnn feature.
+/// The kernel config of one backend; a cuDNN failure is an error here (no silent fallback).
+fn kernels(backend: vime_kernels::AttentionBackend, deterministic: bool) -> Result<vime_kernels::KernelConfig> {
+    vime_kernels::KernelConfig::new(backend, deterministic, vime_kernels::CudnnFailure::Error)
+        .map_err(candle_core::Error::msg)
+}
+
 fn attention_backends() -> Vec<(vime_kernels::AttentionBackend, &'static str)> {
     let mut v = vec![(vime_kernels::AttentionBackend::Flash, "flash")];
     if cfg!(feature = "cudnn") {
@@ -116,11 +122,17 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     let scale = 1.0 / (128f64).sqrt();
     let mut checks = 9;
     for (backend, tag) in attention_backends() {
-        vime_kernels::set_attention_backend(backend)?;
-        check_attention(tag, &cu, scale, &gpu, &mut rng, &mut failures)?;
+        check_attention(
+            tag,
+            &kernels(backend, false)?,
+            &cu,
+            scale,
+            &gpu,
+            &mut rng,
+            &mut failures,
+        )?;
         checks += 4;
     }
-    vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
     #[cfg(feature = "cudnn")]
     check_cudnn_determinism(&gpu, &mut rng, &mut failures)?;
 
@@ -176,6 +188,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
 /// sequence, and Qwen3-0.6B's GQA (16 / 8) on one long sequence.
 fn check_attention(
     tag: &str,
+    kc: &vime_kernels::KernelConfig,
     cu: &Arc<[u32]>,
     scale: f64,
     gpu: &Device,
@@ -190,7 +203,7 @@ fn check_attention(
     let c = cu.clone();
     check(
         &format!("varlen_attention [{tag}]"),
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale, kc),
         &[q, k, v],
         gpu,
         failures,
@@ -212,7 +225,7 @@ fn check_attention(
     let v = rng.randn(&[tk, 8, 128], 1.0, bf, &Device::Cpu)?;
     check(
         &format!("varlen_attention Lk>Lq [{tag}]"),
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale, kc),
         &[q, k, v],
         gpu,
         failures,
@@ -224,7 +237,7 @@ fn check_attention(
     let v = rng.randn(&[1280, 8, 128], 1.0, bf, &Device::Cpu)?;
     check(
         &format!("varlen_attention 2x640 [{tag}]"),
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c2, &c2, scale),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c2, &c2, scale, kc),
         &[q, k, v],
         gpu,
         failures,
@@ -236,7 +249,7 @@ fn check_attention(
     let v = rng.randn(&[1500, 8, 128], 1.0, bf, &Device::Cpu)?;
     check(
         &format!("varlen_attention 16/8 [{tag}]"),
-        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c1, &c1, scale),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c1, &c1, scale, kc),
         &[q, k, v],
         gpu,
         failures,
@@ -255,25 +268,22 @@ fn check_cudnn_determinism(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Strin
     let k = rng.randn(&[8192, 8, 128], 1.0, bf, gpu)?;
     let v = rng.randn(&[8192, 8, 128], 1.0, bf, gpu)?;
     let dout = rng.randn(&[8192, 32, 128], 1.0, bf, gpu)?;
-    vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Fused)?;
-    let grads = || -> Result<Vec<f32>> {
-        let (o, saved) = vime_kernels::varlen_attention_saved(&q, &k, &v, &cu, &cu, 1.0 / (128f64).sqrt())?;
+    let grads = |kc: &vime_kernels::KernelConfig| -> Result<Vec<f32>> {
+        let (o, saved) = vime_kernels::varlen_attention_saved(&q, &k, &v, &cu, &cu, 1.0 / (128f64).sqrt(), kc)?;
         let (dq, dk, dv) = vime_kernels::varlen_attention_backward(&saved, &q, &k, &v, &o, &dout)?;
         let all = Tensor::cat(&[dq.flatten_all()?, dk.flatten_all()?, dv.flatten_all()?], 0)?;
         all.to_dtype(DType::F32)?.to_vec1::<f32>()
     };
     let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     for det in [false, true] {
-        vime_kernels::set_deterministic_attention(det);
-        let (a, b) = (grads()?, grads()?);
+        let kc = kernels(vime_kernels::AttentionBackend::Fused, det)?;
+        let (a, b) = (grads(&kc)?, grads(&kc)?);
         let d = max_diff(&a, &b);
         println!("cudnn attention backward, deterministic {det}: max |run1 - run2| = {d:e}");
         if det && d != 0.0 {
             failures.push(format!("cudnn deterministic backward differs between runs by {d:e}"));
         }
     }
-    vime_kernels::set_deterministic_attention(false);
-    vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
     Ok(())
 }
 
@@ -471,17 +481,16 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         let v = rng.randn(&[tt, 8, 128], 1.0, bf, &gpu)?;
         let scale = 1.0 / (128f64).sqrt();
         for (backend, tag) in attention_backends() {
-            vime_kernels::set_attention_backend(backend)?;
+            let kc = kernels(backend, false)?;
             let c = cu.clone();
             time_op(
                 &format!("attention[{tag}]"),
                 &format!("{len_tag}_h32_kv8_d128"),
                 &gpu,
-                &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale),
+                &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale, &kc),
                 &[q.clone(), k.clone(), v.clone()],
             )?;
         }
-        vime_kernels::set_attention_backend(vime_kernels::AttentionBackend::Auto)?;
     }
     let h = rng.randn(&[t, 2560], 1.0, bf, &gpu)?;
     let lm = rng.randn(&[151936, 2560], 0.02, bf, &gpu)?;

@@ -61,8 +61,8 @@ pub struct BenchArgs {
     /// Also write the result as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// The layers' backward: explicit (hand-written, the default where its kernels exist) or
-    /// autograd (candle's, over the same forward).
+    /// The layers' backward: explicit (hand-written, `models/qwen3/src/block.rs`, the default) or
+    /// autograd (candle's over the same forward, the test reference).
     #[arg(long, default_value = "explicit")]
     pub backward: String,
     /// Override the preset's number of layers (a shorter model of the same shapes).
@@ -242,7 +242,7 @@ fn compare_backward(
 }
 
 pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
-    crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
+    let kernels = crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -270,6 +270,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     };
     let mut model = random_model(cfg.clone(), dtype, &device).context("building the random model")?;
     model.set_explicit_backward(explicit)?;
+    model.set_kernel_config(kernels);
     let n_params: usize = model.named_parameters().iter().map(|(_, v)| v.elem_count()).sum();
     let opt_args = OptimizerArgs {
         lr: 1e-6,
@@ -348,7 +349,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "params": n_params,
         "dtype": args.dtype,
         "recompute": args.recompute,
-        "attention": if device.is_cuda() { vime_kernels::cuda_attention_kernel() } else { "cpu" },
+        "attention": if device.is_cuda() { model.kernel_config().attention_kernel() } else { "cpu" },
         "deterministic_mode": args.deterministic_mode,
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,

@@ -66,6 +66,11 @@ pub struct Critic {
 }
 
 impl Critic {
+    /// The kernel choice of the backbone's attention (see `Qwen3::set_kernel_config`).
+    pub fn set_kernel_config(&mut self, kernels: vime_kernels::KernelConfig) {
+        self.backbone.set_kernel_config(kernels);
+    }
+
     /// Wraps `backbone` with the given head (`weight [1, hidden]`, `bias [1]`), converted to
     /// [`value_head_dtype`] on the backbone's device.
     pub fn new(backbone: Qwen3, weight: &Tensor, bias: &Tensor) -> Result<Self> {
@@ -238,6 +243,11 @@ pub struct ReferenceModel {
 }
 
 impl ReferenceModel {
+    /// The kernel choice of the reference's attention (see `Qwen3::set_kernel_config`).
+    pub fn set_kernel_config(&mut self, kernels: vime_kernels::KernelConfig) {
+        self.model.set_kernel_config(kernels);
+    }
+
     /// Loads an HF Qwen3 checkpoint directory as the reference.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         let model =

@@ -37,13 +37,14 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
-/// Applies `--attention-backend` and `--deterministic-mode` (process-wide kernel settings).
-pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Result<()> {
+/// The kernel config of `--attention-backend` and `--deterministic-mode`, for the model(s) of this
+/// process (world size 1: a cuDNN failure under `auto` falls back to the flash kernel).
+pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Result<vime_kernels::KernelConfig> {
     let b: vime_kernels::AttentionBackend = attention_backend
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--attention-backend: {e}"))?;
-    vime_kernels::set_attention_backend(b)?;
-    vime_kernels::set_deterministic_attention(deterministic);
+    let cfg = vime_kernels::KernelConfig::new(b, deterministic, vime_kernels::CudnnFailure::Fallback)
+        .map_err(anyhow::Error::msg)?;
     if b == vime_kernels::AttentionBackend::Flash && vime_kernels::CUDNN_BUILT {
         // slime's Megatron scripts pass `--attention-backend flash`; say what it means here.
         eprintln!(
@@ -51,7 +52,7 @@ pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Resul
              cuDNN's fused attention, 1.17x faster per Qwen3-4B training step on an H200 (benches/PERF_NOTES.md)"
         );
     }
-    Ok(())
+    Ok(cfg)
 }
 
 #[cfg(test)]
@@ -60,12 +61,12 @@ mod tests {
 
     #[test]
     fn kernel_flags_are_checked() {
-        // (Other tests set the process-wide backend concurrently, so only the parsing is checked.)
         let e = apply_kernel_flags("unfused", false).unwrap_err().to_string();
         assert!(e.contains("--attention-backend") && e.contains("unfused"), "{e}");
-        apply_kernel_flags("auto", false).unwrap();
+        let auto = apply_kernel_flags("auto", true).unwrap();
+        assert_eq!(auto.attention(), vime_kernels::AttentionBackend::Auto);
+        assert!(auto.deterministic());
         let fused = apply_kernel_flags("fused", false);
         assert_eq!(fused.is_ok(), vime_kernels::CUDNN_BUILT, "{fused:?}");
-        apply_kernel_flags("auto", false).unwrap();
     }
 }

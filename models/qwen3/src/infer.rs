@@ -9,23 +9,24 @@
 //! - The cache is a value the caller owns ([`KvCache`]), never state inside the model: the
 //!   training model stays cache-free and one model serves any number of caches (one per rollout
 //!   batch, one per thread).
-//! - The layer math is the training `layer_forward` (same kernels: `rms_norm`, `rope`,
-//!   `varlen_attention`, `swiglu`; same detached weights), except that the attention keys and
-//!   values are the cached ones followed by the new ones: `cu_seqlens_q` spans the new tokens,
-//!   `cu_seqlens_k` the cached + new keys, and the kernel's bottom-right causal alignment makes
-//!   query `i` of a sequence see exactly its prefix. The tests hold both paths to the same logits.
+//! - The layer is the training block (`crate::block`, same code, same kernels, same detached
+//!   weights) with its `Attention::Cached` strategy: the attention keys and values are the cached
+//!   ones followed by the new ones: `cu_seqlens_q` spans the new tokens, `cu_seqlens_k` the
+//!   cached and the new keys, and the kernel's bottom-right causal alignment makes query `i` of a
+//!   sequence see exactly its prefix. The tests hold both paths to the same logits.
 //! - A slot stores per layer one `[capacity, n_kv_heads, head_dim]` K and V buffer in the model's
 //!   dtype on its device, written in place (`slice_set`) and doubled when full, so appending a
 //!   token costs no copy of the past. Each layer gathers the live rows of every sequence of the
 //!   call into one packed K and V for the kernel: one copy of the live cache per layer per call.
 //! - No gradient is ever tracked: every weight is read through `as_detached_tensor`.
+use crate::block::Attention;
 use crate::config::Qwen3Config;
-use crate::model::{linear, w, Qwen3};
-use anyhow::{bail, Result};
+use crate::model::{w, Qwen3};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use vime_kernels::{rms_norm, rope, swiglu, varlen_attention};
+use vime_kernels::rms_norm;
 
 /// Smallest buffer a slot allocates, in tokens.
 const MIN_CAPACITY: usize = 16;
@@ -54,9 +55,14 @@ impl KvCache {
     /// An empty cache for models of `cfg`, holding keys and values as `dtype` on `device` (use the
     /// model's: [`Qwen3::new_kv_cache`]).
     pub fn new(cfg: &Qwen3Config, dtype: DType, device: &Device) -> Self {
+        Self::with_kv_heads(cfg, cfg.num_key_value_heads, dtype, device)
+    }
+
+    /// A cache holding `kv_heads` key/value heads per layer (a rank's local heads).
+    pub(crate) fn with_kv_heads(cfg: &Qwen3Config, kv_heads: usize, dtype: DType, device: &Device) -> Self {
         Self {
             num_layers: cfg.num_hidden_layers,
-            num_kv_heads: cfg.num_key_value_heads,
+            num_kv_heads: kv_heads,
             head_dim: cfg.head_dim,
             dtype,
             device: device.clone(),
@@ -129,6 +135,39 @@ impl KvCache {
     }
 }
 
+impl KvCache {
+    /// Writes the new keys and values of layer `layer` (`k, v: [T_new, kv_heads, d]`, sequence `s`
+    /// owning rows `cu_seqlens_q[s]..cu_seqlens_q[s + 1]`) after the `past` rows of each slot of
+    /// `seqs = [(slot, past)]` (reserved by the caller), and returns the packed cached + new keys
+    /// and values of every sequence, in call order.
+    pub(crate) fn append_and_gather(
+        &self,
+        layer: usize,
+        seqs: &[(usize, usize)],
+        cu_seqlens_q: &[u32],
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut ks = Vec::with_capacity(seqs.len());
+        let mut vs = Vec::with_capacity(seqs.len());
+        for (s, &(slot, p)) in seqs.iter().enumerate() {
+            let buf = self
+                .slots
+                .get(&slot)
+                .with_context(|| format!("KV cache slot {slot} was not reserved"))?;
+            let (q0, n) = (
+                cu_seqlens_q[s] as usize,
+                (cu_seqlens_q[s + 1] - cu_seqlens_q[s]) as usize,
+            );
+            buf.k[layer].slice_set(&k.narrow(0, q0, n)?, 0, p)?;
+            buf.v[layer].slice_set(&v.narrow(0, q0, n)?, 0, p)?;
+            ks.push(buf.k[layer].narrow(0, 0, p + n)?);
+            vs.push(buf.v[layer].narrow(0, 0, p + n)?);
+        }
+        Ok((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?))
+    }
+}
+
 /// Which rows [`Qwen3::forward_with_cache`] returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HiddenRows {
@@ -141,7 +180,7 @@ pub enum HiddenRows {
 impl Qwen3 {
     /// An empty KV cache in this model's dtype, on its device.
     pub fn new_kv_cache(&self) -> KvCache {
-        KvCache::new(self.config(), self.dtype(), self.device())
+        KvCache::with_kv_heads(self.config(), self.block_ctx().kv_heads, self.dtype(), self.device())
     }
 
     /// The LM head `[vocab, hidden]` (the embedding when tied), detached: what
@@ -214,35 +253,15 @@ impl Qwen3 {
 
         let ids = Tensor::from_vec(ids, t, self.device())?;
         let mut x = w(&self.embed, false).embedding(&ids)?;
-        let (nh, nkv, d, eps) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps);
-        let scale = 1.0 / (d as f64).sqrt();
-        for (li, l) in self.layers.iter().enumerate() {
-            let h = rms_norm(&x, &w(&l.input_norm, false), eps)?;
-            let q = linear(&h, &l.q_proj, l.q_bias.as_ref(), false)?.reshape((t, nh, d))?;
-            let k = linear(&h, &l.k_proj, l.k_bias.as_ref(), false)?.reshape((t, nkv, d))?;
-            let v = linear(&h, &l.v_proj, l.v_bias.as_ref(), false)?
-                .reshape((t, nkv, d))?
-                .contiguous()?;
-            let q = rope(&rms_norm(&q, &w(&l.q_norm, false), eps)?, &positions, c.rope_theta)?;
-            let k = rope(&rms_norm(&k, &w(&l.k_norm, false), eps)?, &positions, c.rope_theta)?;
-            // Append the new keys and values, then gather cached + new of every sequence.
-            let mut ks = Vec::with_capacity(seqs.len());
-            let mut vs = Vec::with_capacity(seqs.len());
-            for (s, (&(slot, toks), &p)) in seqs.iter().zip(&past).enumerate() {
-                let slot = cache.slots.get(&slot).expect("reserved above");
-                let (q0, n) = (cu_q[s] as usize, toks.len());
-                slot.k[li].slice_set(&k.narrow(0, q0, n)?, 0, p)?;
-                slot.v[li].slice_set(&v.narrow(0, q0, n)?, 0, p)?;
-                ks.push(slot.k[li].narrow(0, 0, p + n)?);
-                vs.push(slot.v[li].narrow(0, 0, p + n)?);
-            }
-            let (k_all, v_all) = (Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?);
-            let a = varlen_attention(&q, &k_all, &v_all, &cu_q, &cu_k, scale)?.reshape((t, nh * d))?;
-            x = (x + linear(&a, &l.o_proj, l.o_bias.as_ref(), false)?)?;
-            let h = rms_norm(&x, &w(&l.post_norm, false), eps)?;
-            let gate = linear(&h, &l.gate_proj, None, false)?;
-            let up = linear(&h, &l.up_proj, None, false)?;
-            x = (&x + linear(&swiglu(&gate, &up)?, &l.down_proj, None, false)?)?;
+        let slots: Vec<(usize, usize)> = seqs.iter().zip(&past).map(|(&(slot, _), &p)| (slot, p)).collect();
+        let attention = Attention::Cached {
+            cache,
+            seqs: &slots,
+            cu_seqlens_q: &cu_q,
+            cu_seqlens_k: &cu_k,
+        };
+        for b in &self.blocks {
+            x = b.forward(self.block_ctx(), &x, &positions, &attention, false)?.0;
         }
         for (&(slot, toks), &p) in seqs.iter().zip(&past) {
             cache.slots.get_mut(&slot).expect("reserved above").len = p + toks.len();
@@ -252,7 +271,7 @@ impl Qwen3 {
             let n = last.len();
             x = x.index_select(&Tensor::from_vec(last, n, self.device())?, 0)?;
         }
-        Ok(rms_norm(&x, &w(&self.norm, false), eps)?)
+        Ok(rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?)
     }
 
     /// Prefill: runs each `(slot, prompt)` (slots empty or continuing) and returns the
@@ -270,7 +289,7 @@ impl Qwen3 {
 
     fn check_cache(&self, cache: &KvCache) -> Result<()> {
         let c = self.config();
-        let want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim);
+        let want = (c.num_hidden_layers, self.block_ctx().kv_heads, c.head_dim);
         let got = (cache.num_layers, cache.num_kv_heads, cache.head_dim);
         if want != got {
             bail!("KV cache built for (layers, kv heads, head_dim) = {got:?}, the model has {want:?}");

@@ -3,21 +3,24 @@
 //!
 //! Decisions:
 //! - Layers hold parameters (candle `Var`s) and nothing else: no KV cache, no communicators. The
-//!   batch metadata (`position_ids`, `cu_seqlens`, targets) is passed in per call.
+//!   batch metadata (`position_ids`, `cu_seqlens`, targets) is passed in per call; the kernel
+//!   choice ([`KernelConfig`]) is a value the model holds and hands to its blocks.
 //! - q/k/v and gate/up stay separate weights, exactly the HF tensors, so tensor parallelism can
 //!   shard them column-wise later without re-fusing, and checkpoints map 1:1.
-//! - Every op on the gradient path is either a candle op with a backward (matmul, add, reshape,
-//!   index-select) or a `vime-kernels` CustomOp with its own backward. None of candle's no-backward
-//!   fast paths is used.
-//! - The backward walks the layers in reverse with the VJP trick: for layer `l` with input leaf
-//!   `x_l` and output `y_l`, `vjp_seed(y_l, g).backward()` (the gradients of
-//!   `(y_l * g).sum_all()` without computing that sum, see `vime_kernels::vjp`) gives the
-//!   parameter gradients of the layer and `g_{l-1} = d/dx_l`. Under `Recompute::None` every layer's graph is
-//!   kept from the forward; under `Recompute::Full` only the layer inputs are kept and each layer is
-//!   re-run (same ops, same inputs, so the same bits) just before its backward.
+//! - The decoder layer exists once, `crate::block` (explicit forward and backward over local
+//!   shapes); this file walks the blocks: forward keeping each block's saved activations
+//!   (`Recompute::None`) or only its input (`Recompute::Full`, the block re-runs before its
+//!   backward), then the head, then the blocks in reverse, then the embedding.
+//! - The head: the LM head runs explicitly too (`logprobs_entropy_saved` and its backward, candle's
+//!   autograd only over the caller's loss from two `[T]` leaves); a head of the caller's own
+//!   (`forward_backward_with_head`, e.g. a value head) runs under autograd from the final hidden
+//!   states.
 //! - Log-probs and entropy come from the fused LM-head op, chunked over tokens: `[T, vocab]`
 //!   logits are never alive at once (the plain [`Qwen3::logits`] path exists for tests).
+//! - candle's autograd over the same layer survives only as `crate::reference`, the test
+//!   reference (`set_explicit_backward(false)`).
 use crate::batch::PackedBatch;
+use crate::block::{Attention, Block, BlockCtx};
 use crate::checkpoint;
 use crate::config::Qwen3Config;
 use crate::state_dict::param_specs;
@@ -26,8 +29,7 @@ use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
 use vime_kernels::{
-    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, rms_norm, rms_norm_backward, rope, swiglu,
-    varlen_attention, vjp_seed,
+    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, rms_norm, rms_norm_backward, KernelConfig,
 };
 
 /// Which activations a layer keeps between its forward and its backward.
@@ -68,28 +70,10 @@ pub struct Gradients {
     pub head: GradStore,
 }
 
-pub(crate) struct Layer {
-    pub(crate) input_norm: Var,
-    pub(crate) q_proj: Var,
-    pub(crate) k_proj: Var,
-    pub(crate) v_proj: Var,
-    pub(crate) o_proj: Var,
-    pub(crate) q_bias: Option<Var>,
-    pub(crate) k_bias: Option<Var>,
-    pub(crate) v_bias: Option<Var>,
-    pub(crate) o_bias: Option<Var>,
-    pub(crate) q_norm: Var,
-    pub(crate) k_norm: Var,
-    pub(crate) post_norm: Var,
-    pub(crate) gate_proj: Var,
-    pub(crate) up_proj: Var,
-    pub(crate) down_proj: Var,
-}
-
 pub struct Qwen3 {
     cfg: Qwen3Config,
     pub(crate) embed: Var,
-    pub(crate) layers: Vec<Layer>,
+    pub(crate) blocks: Vec<Block>,
     pub(crate) norm: Var,
     /// `None` when the LM head is tied to the embedding.
     lm_head: Option<Var>,
@@ -97,7 +81,9 @@ pub struct Qwen3 {
     params: Vec<(String, Var)>,
     /// Tokens per LM-head chunk (bounds the live logits block to `chunk x vocab` f32).
     logits_chunk_tokens: usize,
-    /// Layers run the hand-written backward (`explicit.rs`) instead of candle's autograd.
+    /// The blocks' local dims and kernel choice.
+    ctx: BlockCtx,
+    /// `false` switches `forward_backward*` to the test reference (`crate::reference`).
     explicit_backward: bool,
 }
 
@@ -108,14 +94,6 @@ pub(crate) fn w(v: &Var, track: bool) -> Tensor {
     } else {
         v.as_detached_tensor()
     }
-}
-
-pub(crate) fn linear(x: &Tensor, weight: &Var, bias: Option<&Var>, track: bool) -> Result<Tensor> {
-    let y = x.matmul(&w(weight, track).t()?)?;
-    Ok(match bias {
-        Some(b) => y.broadcast_add(&w(b, track))?,
-        None => y,
-    })
 }
 
 impl Qwen3 {
@@ -148,10 +126,11 @@ impl Qwen3 {
                 .ok_or_else(|| anyhow!("missing tensor {n}"))
         };
         let opt = |n: &str| by_name.get(n).map(|v| (*v).clone());
-        let layers = (0..cfg.num_hidden_layers)
+        let blocks = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let p = |s: &str| format!("model.layers.{i}.{s}");
-                Ok(Layer {
+                Ok(Block {
+                    index: i,
                     input_norm: get(&p("input_layernorm.weight"))?,
                     q_proj: get(&p("self_attn.q_proj.weight"))?,
                     k_proj: get(&p("self_attn.k_proj.weight"))?,
@@ -184,16 +163,17 @@ impl Qwen3 {
         } else {
             ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096)
         };
-        let explicit_backward = vime_kernels::explicit_backward(embed.device(), embed.dtype(), cfg.head_dim);
+        let ctx = BlockCtx::new(&cfg, KernelConfig::default());
         Ok(Self {
             cfg,
             embed,
-            layers,
+            blocks,
             norm,
             lm_head,
             params,
             logits_chunk_tokens,
-            explicit_backward,
+            ctx,
+            explicit_backward: true,
         })
     }
 
@@ -258,21 +238,31 @@ impl Qwen3 {
         self.logits_chunk_tokens = n.max(1);
     }
 
-    /// Whether the layers' backward is the hand-written one (`explicit.rs`; the default wherever
-    /// its kernels exist: the CPU, and bf16 with head_dim 128 on CUDA) or candle's autograd over
-    /// the same forward (the reference the explicit one is tested against).
+    /// The kernel choice every block's attention runs with (default: [`KernelConfig::default`]).
+    pub fn set_kernel_config(&mut self, kernels: KernelConfig) {
+        self.ctx.kernels = kernels;
+    }
+
+    pub fn kernel_config(&self) -> &KernelConfig {
+        &self.ctx.kernels
+    }
+
+    /// The blocks' context: local dims (today the global ones) and the kernel choice.
+    pub fn block_ctx(&self) -> &BlockCtx {
+        &self.ctx
+    }
+
+    /// Whether `forward_backward*` runs the explicit block backward (`true`, the default and the
+    /// training path, on every device and dtype) or the test reference through candle's autograd
+    /// over the same forward (`false`; `crate::reference`).
     pub fn explicit_backward(&self) -> bool {
         self.explicit_backward
     }
 
+    /// Switches between the explicit backward and the autograd test reference (see
+    /// [`Self::explicit_backward`]). Never fails now that the explicit kernels exist everywhere;
+    /// the `Result` stays for the callers.
     pub fn set_explicit_backward(&mut self, on: bool) -> Result<()> {
-        if on && !vime_kernels::explicit_backward(self.device(), self.dtype(), self.cfg.head_dim) {
-            bail!(
-                "the explicit backward has no kernels for {:?} with head_dim {} on this device",
-                self.dtype(),
-                self.cfg.head_dim
-            );
-        }
         self.explicit_backward = on;
         Ok(())
     }
@@ -296,47 +286,25 @@ impl Qwen3 {
         Ok(())
     }
 
-    fn embed_tokens(&self, batch: &PackedBatch, track: bool) -> Result<Tensor> {
+    pub(crate) fn embed_tokens(&self, batch: &PackedBatch, track: bool) -> Result<Tensor> {
         let ids = Tensor::from_slice(&batch.input_ids, batch.num_tokens(), self.device())?;
         Ok(w(&self.embed, track).embedding(&ids)?)
     }
 
-    /// One decoder layer, `x: [T, hidden]` -> `[T, hidden]`.
-    fn layer_forward(&self, l: &Layer, x: &Tensor, batch: &PackedBatch, track: bool) -> Result<Tensor> {
-        let c = &self.cfg;
-        let (t, d) = (batch.num_tokens(), c.head_dim);
-        let eps = c.rms_norm_eps;
-        let h = rms_norm(x, &w(&l.input_norm, track), eps)?;
-        let q = linear(&h, &l.q_proj, l.q_bias.as_ref(), track)?.reshape((t, c.num_attention_heads, d))?;
-        let k = linear(&h, &l.k_proj, l.k_bias.as_ref(), track)?.reshape((t, c.num_key_value_heads, d))?;
-        let v = linear(&h, &l.v_proj, l.v_bias.as_ref(), track)?.reshape((t, c.num_key_value_heads, d))?;
-        let q = rope(
-            &rms_norm(&q, &w(&l.q_norm, track), eps)?,
-            &batch.position_ids,
-            c.rope_theta,
-        )?;
-        let k = rope(
-            &rms_norm(&k, &w(&l.k_norm, track), eps)?,
-            &batch.position_ids,
-            c.rope_theta,
-        )?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let a = varlen_attention(&q, &k, &v, &batch.cu_seqlens, &batch.cu_seqlens, scale)?;
-        let a = a.reshape((t, c.num_attention_heads * d))?;
-        let x = (x + linear(&a, &l.o_proj, l.o_bias.as_ref(), track)?)?;
-        let h = rms_norm(&x, &w(&l.post_norm, track), eps)?;
-        let gate = linear(&h, &l.gate_proj, None, track)?;
-        let up = linear(&h, &l.up_proj, None, track)?;
-        let m = linear(&swiglu(&gate, &up)?, &l.down_proj, None, track)?;
-        Ok((x + m)?)
+    /// One block's forward over a packed batch, no gradient tracking, nothing saved.
+    pub(crate) fn block_forward(&self, b: &Block, x: &Tensor, batch: &PackedBatch) -> Result<Tensor> {
+        let attention = Attention::Packed {
+            cu_seqlens: &batch.cu_seqlens,
+        };
+        Ok(b.forward(&self.ctx, x, &batch.position_ids, &attention, false)?.0)
     }
 
     /// Final-normed hidden states `[T, hidden]`, no gradient tracking.
     pub fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
         self.check_batch(batch)?;
         let mut x = self.embed_tokens(batch, false)?;
-        for l in &self.layers {
-            x = self.layer_forward(l, &x, batch, false)?;
+        for b in &self.blocks {
+            x = self.block_forward(b, &x, batch)?;
         }
         Ok(rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?)
     }
@@ -390,122 +358,49 @@ impl Qwen3 {
         head: Head<'_>,
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
-        let keep_graph = recompute == Recompute::None;
-        let explicit = self.explicit_backward;
-        // Forward. Under `None`, `kept[l]` holds layer l's input leaf and its tracked output
-        // (explicit backward: `saved[l]`, the layer's saved activations); under `Full`,
-        // `inputs[l]` holds only the layer's (detached) input.
-        let mut inputs: Vec<Tensor> = Vec::with_capacity(self.layers.len());
-        let mut kept: Vec<Option<(Var, Tensor)>> = Vec::with_capacity(self.layers.len());
-        let mut saved: Vec<Option<crate::explicit::Saved>> = Vec::with_capacity(self.layers.len());
+        if !self.explicit_backward {
+            return crate::reference::forward_backward(self, batch, recompute, head);
+        }
+        let keep = recompute == Recompute::None;
+        let attention = Attention::Packed {
+            cu_seqlens: &batch.cu_seqlens,
+        };
+        // Forward. Under `None`, `saved[l]` holds block l's saved activations; under `Full`,
+        // `inputs[l]` holds only the block's input.
+        let mut inputs: Vec<Tensor> = Vec::with_capacity(self.blocks.len());
+        let mut saved: Vec<Option<crate::block::Saved>> = Vec::with_capacity(self.blocks.len());
         let mut x = self.embed_tokens(batch, false)?;
-        for l in &self.layers {
-            if keep_graph && explicit {
-                let (y, s) = self.layer_forward_saved(l, &x, batch)?;
+        for b in &self.blocks {
+            let (y, s) = b.forward(&self.ctx, &x, &batch.position_ids, &attention, keep)?;
+            if keep {
+                saved.push(s);
                 x = y;
-                saved.push(Some(s));
-            } else if keep_graph {
-                let leaf = Var::from_tensor(&x)?;
-                let y = self.layer_forward(l, leaf.as_tensor(), batch, true)?;
-                x = y.detach();
-                kept.push(Some((leaf, y)));
             } else {
-                let y = self.layer_forward(l, &x, batch, false)?;
                 inputs.push(std::mem::replace(&mut x, y));
-                kept.push(None);
             }
         }
 
         // Head: final norm + the caller's loss.
         let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
         let (loss_value, mut g, head_grads, tied_head_grad) = match head {
-            Head::Lm(loss_fn) if explicit => self.lm_head_explicit(&x, batch, loss_fn, &mut params)?,
-            head => {
-                let last = Var::from_tensor(&x)?;
-                let hn = rms_norm(last.as_tensor(), &w(&self.norm, true), self.cfg.rms_norm_eps)?;
-                let loss = match head {
-                    Head::Lm(loss_fn) => {
-                        let (logprobs, entropy) = logprobs_entropy(
-                            &hn,
-                            &self.lm_head_weight(true),
-                            &batch.targets,
-                            self.logits_chunk_tokens,
-                        )?;
-                        loss_fn(&TokenOutputs { logprobs, entropy })?
-                    }
-                    Head::Hidden(f) => f(&hn)?,
-                };
-                let loss_value = scalar_loss(&loss)?;
-                let mut head_grads = loss.backward()?;
-                let g = take_grad(&mut head_grads, last.as_tensor(), "the final hidden states")?;
-                self.move_grads(&mut head_grads, &mut params, &[&self.norm])?;
-                if let Some(lm) = &self.lm_head {
-                    self.move_grads(&mut head_grads, &mut params, &[lm])?;
-                }
-                let tied = self
-                    .lm_head
-                    .is_none()
-                    .then(|| head_grads.remove(self.embed.as_tensor()))
-                    .flatten();
-                (loss_value, g, head_grads, tied)
-            }
+            Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params)?,
+            head => self.autograd_head(&x, batch, head, &mut params)?,
         };
 
-        // Layers in reverse.
-        for (i, l) in self.layers.iter().enumerate().rev() {
-            if explicit {
-                let s = match saved.get_mut(i).and_then(Option::take) {
-                    Some(s) => s,
-                    None => self.layer_forward_saved(l, &inputs[i], batch)?.1,
-                };
-                g = self.layer_backward(i, s, &g, batch, &mut params)?;
-                continue;
-            }
-            let (leaf, y) = match kept[i].take() {
-                Some(pair) => pair,
-                None => {
-                    let leaf = Var::from_tensor(&inputs[i])?;
-                    let y = self.layer_forward(l, leaf.as_tensor(), batch, true)?;
-                    (leaf, y)
-                }
+        // Blocks in reverse.
+        for (i, b) in self.blocks.iter().enumerate().rev() {
+            let s = match saved.get_mut(i).and_then(Option::take) {
+                Some(s) => s,
+                None => b
+                    .forward(&self.ctx, &inputs[i], &batch.position_ids, &attention, true)?
+                    .1
+                    .expect("a saving forward saves"),
             };
-            let mut grads = vjp_seed(&y, &g)?.backward()?;
-            g = take_grad(&mut grads, leaf.as_tensor(), "a layer input")?;
-            let vars: Vec<&Var> = [
-                Some(&l.input_norm),
-                Some(&l.q_proj),
-                Some(&l.k_proj),
-                Some(&l.v_proj),
-                Some(&l.o_proj),
-                l.q_bias.as_ref(),
-                l.k_bias.as_ref(),
-                l.v_bias.as_ref(),
-                l.o_bias.as_ref(),
-                Some(&l.q_norm),
-                Some(&l.k_norm),
-                Some(&l.post_norm),
-                Some(&l.gate_proj),
-                Some(&l.up_proj),
-                Some(&l.down_proj),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            self.move_grads(&mut grads, &mut params, &vars)?;
+            g = b.backward(&self.ctx, s, &g, &mut params)?;
         }
 
         // Embedding.
-        let ge = if explicit {
-            vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?
-        } else {
-            let e = self.embed_tokens(batch, true)?;
-            let mut grads = vjp_seed(&e, &g)?.backward()?;
-            let ge = take_grad(&mut grads, self.embed.as_tensor(), "model.embed_tokens.weight")?;
-            match tied_head_grad {
-                Some(t) => (ge + t)?,
-                None => ge,
-            }
-        };
+        let ge = vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?;
         params.insert("model.embed_tokens.weight".to_string(), ge);
         Ok((
             loss_value,
@@ -516,9 +411,54 @@ impl Qwen3 {
         ))
     }
 
+    /// The head under candle's autograd from the last block's output `x`: final norm, then the
+    /// LM head + loss or the caller's head. Returns the loss, `dL/dx`, the head's own gradient
+    /// store, and the LM head's gradient when it is tied to the embedding.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn autograd_head(
+        &self,
+        x: &Tensor,
+        batch: &PackedBatch,
+        head: Head<'_>,
+        params: &mut BTreeMap<String, Tensor>,
+    ) -> Result<(f64, Tensor, GradStore, Option<Tensor>)> {
+        let last = Var::from_tensor(x)?;
+        let hn = rms_norm(last.as_tensor(), &w(&self.norm, true), self.cfg.rms_norm_eps)?;
+        let loss = match head {
+            Head::Lm(loss_fn) => {
+                let (logprobs, entropy) = logprobs_entropy(
+                    &hn,
+                    &self.lm_head_weight(true),
+                    &batch.targets,
+                    self.logits_chunk_tokens,
+                )?;
+                loss_fn(&TokenOutputs { logprobs, entropy })?
+            }
+            Head::Hidden(f) => f(&hn)?,
+        };
+        let loss_value = scalar_loss(&loss)?;
+        let mut head_grads = loss.backward()?;
+        let g = take_grad(&mut head_grads, last.as_tensor(), "the final hidden states")?;
+        self.move_grads(&mut head_grads, params, &[&self.norm])?;
+        if let Some(lm) = &self.lm_head {
+            self.move_grads(&mut head_grads, params, &[lm])?;
+        }
+        let tied = self
+            .lm_head
+            .is_none()
+            .then(|| head_grads.remove(self.embed.as_tensor()))
+            .flatten();
+        Ok((loss_value, g, head_grads, tied))
+    }
+
     /// Moves the gradients of `vars` out of `grads` into `params` under their HF names. A
     /// parameter that received no gradient gets zeros (it did not influence the loss).
-    fn move_grads(&self, grads: &mut GradStore, params: &mut BTreeMap<String, Tensor>, vars: &[&Var]) -> Result<()> {
+    pub(crate) fn move_grads(
+        &self,
+        grads: &mut GradStore,
+        params: &mut BTreeMap<String, Tensor>,
+        vars: &[&Var],
+    ) -> Result<()> {
         for v in vars {
             let name = self.name_of(v)?;
             let g = match grads.remove(v.as_tensor()) {
@@ -542,7 +482,7 @@ impl Qwen3 {
 
 /// The head of [`Qwen3::forward_backward_impl`]: the model's LM head followed by a loss over
 /// log-probs and entropy, or any head over the final-normed hidden states.
-enum Head<'a> {
+pub(crate) enum Head<'a> {
     Lm(LossFn<'a>),
     Hidden(HeadFn<'a>),
 }
@@ -609,7 +549,7 @@ impl Qwen3 {
     }
 }
 
-fn take_grad(grads: &mut GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
+pub(crate) fn take_grad(grads: &mut GradStore, t: &Tensor, what: &str) -> Result<Tensor> {
     grads
         .remove(t)
         .ok_or_else(|| anyhow!("the loss does not depend on {what}: no gradient reached it"))

@@ -1,4 +1,4 @@
-//! The hand-written layer backward (`explicit.rs`) against candle's autograd over the same
+//! The hand-written block backward (`block.rs`) against candle's autograd over the same
 //! forward: every parameter gradient and the loss, f64 (to rounding) and f32, with and without
 //! recompute, tied and untied, with and without attention biases, on packed sequences.
 use candle_core::{DType, Device, Tensor};
@@ -58,7 +58,7 @@ fn explicit_backward_matches_autograd() {
         for (tied, bias) in [(true, false), (false, true)] {
             let cfg = tiny3(tied, bias);
             let mut m = model(&cfg, dtype, 11);
-            assert!(m.explicit_backward(), "the CPU default is the explicit backward");
+            assert!(m.explicit_backward(), "the explicit backward is the default");
             for rec in [Recompute::None, Recompute::Full] {
                 m.set_explicit_backward(true).unwrap();
                 let (le, ge) = grads(&m, &batch, rec);

@@ -34,7 +34,8 @@ pub fn copy_weights(model: &Qwen3) -> Result<BTreeMap<String, Tensor>> {
 
 impl Engine {
     pub fn embedded(policy: &Qwen3, eos_token_ids: Vec<u32>, seed: u64) -> Result<Self> {
-        let copy = Qwen3::from_tensors(policy.config().clone(), copy_weights(policy)?)?;
+        let mut copy = Qwen3::from_tensors(policy.config().clone(), copy_weights(policy)?)?;
+        copy.set_kernel_config(policy.kernel_config().clone());
         let opts = EngineOptions {
             eos_token_ids,
             seed,

@@ -143,7 +143,17 @@ fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
 
 impl<'a> Run<'a> {
     fn setup(args: &'a TrainArgs, world: World, device: candle_core::Device, backend: &str) -> Result<Self> {
-        crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
+        let mut kernels = crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
+        if world.size() > 1 {
+            // Several ranks: a cuDNN failure is an error, never one rank falling back to the flash
+            // kernel alone (its numbers, and its determinism, would differ from the others').
+            kernels = vime_kernels::KernelConfig::new(
+                kernels.attention(),
+                kernels.deterministic(),
+                vime_kernels::CudnnFailure::Error,
+            )
+            .map_err(|e| anyhow::anyhow!("--attention-backend: {e}"))?;
+        }
         let dtype = parse_dtype(&args.dtype)?;
         let rank0 = world.rank() == 0;
         let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };
@@ -182,8 +192,9 @@ impl<'a> Run<'a> {
         let tokenizer_dir = args.hf_checkpoint.clone().unwrap_or_else(|| model_dir.clone());
         let tokenizer = load_tokenizer(&tokenizer_dir)?;
 
-        let policy = Qwen3::load_hf(&model_dir, dtype, &device)
+        let mut policy = Qwen3::load_hf(&model_dir, dtype, &device)
             .with_context(|| format!("loading the policy from {}", model_dir.display()))?;
+        policy.set_kernel_config(kernels.clone());
         let cfg = policy.config().clone();
         ensure!(
             tokenizer.vocab_size() <= cfg.vocab_size,
@@ -223,13 +234,15 @@ impl<'a> Run<'a> {
                 .as_ref()
                 .or(args.hf_checkpoint.as_ref())
                 .context("the KL terms need a reference model: pass --ref-load (or --hf-checkpoint)")?;
-            Some(ReferenceModel::load(dir, dtype, &device)?)
+            let mut reference = ReferenceModel::load(dir, dtype, &device)?;
+            reference.set_kernel_config(kernels.clone());
+            Some(reference)
         } else {
             None
         };
 
         let critic = if policy_loss && args.rl.use_critic() {
-            let critic = match resumed.as_ref().and_then(|l| l.critic_dir()) {
+            let mut critic = match resumed.as_ref().and_then(|l| l.critic_dir()) {
                 Some(dir) => Critic::load(&dir, dtype, &device)?,
                 None => {
                     let dir = args
@@ -244,6 +257,7 @@ impl<'a> Run<'a> {
                     }
                 }
             };
+            critic.set_kernel_config(kernels.clone());
             let critic_args = OptimizerArgs {
                 lr: args.critic_lr.unwrap_or(args.optim.lr),
                 ..args.optim.clone()

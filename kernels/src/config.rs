@@ -1,0 +1,158 @@
+//! The kernel choice of one model (or one rank) as a value: which attention kernel bf16 on CUDA
+//! runs, whether its backward must be run-to-run reproducible, and what a cuDNN failure does.
+//!
+//! Decisions:
+//! - No process-global state: every attention call takes a [`KernelConfig`] (the op carries a
+//!   clone from its forward to its backward), so two models, or two ranks in one process, can run
+//!   different kernels.
+//! - The `auto` fallback latch (the first cuDNN failure switches to the flash kernel for good) lives
+//!   inside the value, an `Arc<AtomicBool>` shared by the clones of one config. Under several ranks
+//!   a silent per-rank fallback would break determinism and parity between ranks, so
+//!   [`CudnnFailure::Error`] makes a failure the caller's error instead.
+//! - This module imports nothing from the rest of the crate: the ops depend on it, not the reverse.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Whether this build has cuDNN's fused attention (the `cudnn` feature).
+pub const CUDNN_BUILT: bool = cfg!(feature = "cudnn");
+
+/// Which kernel runs bf16 attention on CUDA (the CPU and every other dtype have one path each).
+/// Megatron-LM's `--attention-backend` names: `fused` is cuDNN's fused attention (the `cudnn`
+/// build feature), `flash` vime's own FlashAttention-2 kernel (`cuda/flash_attn.cu`), `auto`
+/// cuDNN where the build has it and it accepts the shape, else flash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionBackend {
+    #[default]
+    Auto,
+    Fused,
+    Flash,
+}
+
+impl std::str::FromStr for AttentionBackend {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "fused" | "cudnn" => Ok(Self::Fused),
+            "flash" => Ok(Self::Flash),
+            other => Err(format!(
+                "unknown attention backend {other:?} (expected auto, fused (cuDNN) or flash)"
+            )),
+        }
+    }
+}
+
+/// What a cuDNN failure (the library missing, a graph it refuses to build or run) does under
+/// [`AttentionBackend::Auto`]. Under `Fused` a failure is always an error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudnnFailure {
+    /// World size 1: report it once, then run the flash kernel for the rest of this config's life.
+    #[default]
+    Fallback,
+    /// Several ranks: the failure is an error (a rank must not silently switch kernels).
+    Error,
+}
+
+/// The kernel settings one model runs with. `Default`: `auto`, non-deterministic, `fallback`.
+/// Clones share the fallback latch.
+#[derive(Debug, Clone, Default)]
+pub struct KernelConfig {
+    attention: AttentionBackend,
+    deterministic: bool,
+    on_cudnn_failure: CudnnFailure,
+    /// Set once cuDNN failed under `auto` + `fallback`: every later call runs the flash kernel.
+    cudnn_off: Arc<AtomicBool>,
+}
+
+impl KernelConfig {
+    /// `Fused` in a build without the `cudnn` feature is an error here rather than at the first
+    /// forward. `deterministic` asks for a run-to-run bitwise-reproducible attention backward
+    /// where the backend has a choice (cuDNN's deterministic dQ accumulation; the flash kernel's
+    /// dQ uses f32 atomics either way, and the CPU kernel is always deterministic).
+    pub fn new(
+        attention: AttentionBackend,
+        deterministic: bool,
+        on_cudnn_failure: CudnnFailure,
+    ) -> Result<Self, String> {
+        if attention == AttentionBackend::Fused && !CUDNN_BUILT {
+            return Err(
+                "--attention-backend fused needs a build with the cudnn feature (cargo build --features cudnn)"
+                    .to_string(),
+            );
+        }
+        Ok(Self {
+            attention,
+            deterministic,
+            on_cudnn_failure,
+            cudnn_off: Arc::default(),
+        })
+    }
+
+    pub fn attention(&self) -> AttentionBackend {
+        self.attention
+    }
+
+    pub fn deterministic(&self) -> bool {
+        self.deterministic
+    }
+
+    pub fn on_cudnn_failure(&self) -> CudnnFailure {
+        self.on_cudnn_failure
+    }
+
+    /// The kernel bf16 attention on CUDA runs now: `"cudnn"` or `"flash"` (also after `auto` fell
+    /// back from a cuDNN failure).
+    pub fn attention_kernel(&self) -> &'static str {
+        if CUDNN_BUILT && self.wants_cudnn() {
+            "cudnn"
+        } else {
+            "flash"
+        }
+    }
+
+    /// Whether the next call should try cuDNN (the backend allows it and no fallback happened).
+    pub(crate) fn wants_cudnn(&self) -> bool {
+        self.attention != AttentionBackend::Flash && !self.cudnn_off.load(Ordering::Relaxed)
+    }
+
+    /// A cuDNN failure: `Ok` (reported once, flash from now on) under `auto` + `fallback`, else
+    /// the error.
+    #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
+    pub(crate) fn cudnn_failed<E: std::fmt::Display>(&self, e: E) -> Result<(), E> {
+        if self.attention == AttentionBackend::Fused || self.on_cudnn_failure == CudnnFailure::Error {
+            return Err(e);
+        }
+        if !self.cudnn_off.swap(true, Ordering::Relaxed) {
+            eprintln!("vime: cuDNN attention unavailable, using the flash kernel from now on ({e})");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fallback_latch_is_shared_by_clones_only() {
+        let a = KernelConfig::default();
+        let b = a.clone();
+        let other = KernelConfig::default();
+        assert!(a.cudnn_failed("boom").is_ok());
+        assert!(!b.wants_cudnn(), "a clone shares the latch");
+        assert!(other.wants_cudnn(), "another config does not");
+        assert_eq!(b.attention_kernel(), "flash");
+        let strict = KernelConfig::new(AttentionBackend::Auto, false, CudnnFailure::Error).unwrap();
+        assert_eq!(strict.cudnn_failed("boom"), Err("boom"));
+        assert!(strict.wants_cudnn());
+    }
+
+    #[test]
+    fn fused_needs_the_cudnn_build() {
+        let r = KernelConfig::new(AttentionBackend::Fused, false, CudnnFailure::Fallback);
+        assert_eq!(r.is_ok(), CUDNN_BUILT);
+        let flash = KernelConfig::new(AttentionBackend::Flash, true, CudnnFailure::Error).unwrap();
+        assert_eq!(flash.attention_kernel(), "flash");
+        assert!(flash.deterministic());
+    }
+}
