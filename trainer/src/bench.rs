@@ -19,7 +19,7 @@
 //! used memory (`cuMemGetInfo`: total - free, which includes the stream-ordered pool's cached
 //! blocks, i.e. torch's "reserved" rather than "allocated") every 2 ms during the timed steps.
 use crate::device::parse_device;
-use crate::optim::{clip_coefficient, global_grad_norm, AdamW, GradAccumulator, OptimizerArgs};
+use crate::optim::{DistributedAdamW, GradAccumulator, OptimizerArgs};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
@@ -276,7 +276,9 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         lr: 1e-6,
         ..OptimizerArgs::default()
     };
-    let mut opt = AdamW::new(model.named_parameters(), &opt_args)?;
+    // The trainer's optimizer, ZeRO-1 over a data-parallel group of one (it is AdamW itself there).
+    let dp = vime_dist::collectives::SingleRank::default();
+    let mut opt = DistributedAdamW::new(model.named_parameters(), &opt_args, &dp)?;
     device.synchronize()?;
     eprintln!(
         "bench-step: {} ({:.3}B params), {dtype:?}, recompute {:?}, {} x {} tokens per step, built in {:.1}s",
@@ -328,8 +330,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         device.synchronize()?;
         let s1 = Instant::now();
         let grads = acc.take();
-        let norm = global_grad_norm(&grads)?;
-        opt.step_scaled(&grads, opt_args.lr, clip_coefficient(norm, 1.0))?;
+        opt.step(&grads, opt_args.lr, 1.0, &dp)?;
         device.synchronize()?;
         let s2 = Instant::now();
         if step >= args.warmup {
