@@ -23,6 +23,11 @@ pub struct DistEnv {
     pub local_world_size: usize,
     pub master_addr: String,
     pub master_port: u16,
+    /// Where rank 0 serves vime's store: `MASTER_PORT`, except under torchrun, whose agent already
+    /// serves its own TCPStore there (seen on the GPU machine: `Address already in use`), where
+    /// it is `MASTER_PORT + 1`; `VIME_STORE_PORT` overrides both. Every rank derives it the same
+    /// way from the same environment.
+    pub store_port: u16,
 }
 
 impl DistEnv {
@@ -93,6 +98,21 @@ impl DistEnv {
         if local_rank >= local_world_size {
             bail!("LOCAL_RANK={local_rank} is out of range for LOCAL_WORLD_SIZE={local_world_size}");
         }
+        let store_port = match get("VIME_STORE_PORT") {
+            Some(v) => v
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| anyhow!("VIME_STORE_PORT={v:?} is not a port in 1..=65535"))?,
+            // torchrun's agent sets TORCHELASTIC_RUN_ID in every worker's environment.
+            None if get("TORCHELASTIC_RUN_ID").is_some() => master_port.checked_add(1).ok_or_else(|| {
+                anyhow!(
+                    "MASTER_PORT={master_port}: under torchrun vime's store takes MASTER_PORT + 1; set VIME_STORE_PORT"
+                )
+            })?,
+            None => master_port,
+        };
         Ok(Some(DistEnv {
             rank,
             world_size,
@@ -100,6 +120,7 @@ impl DistEnv {
             local_world_size,
             master_addr,
             master_port,
+            store_port,
         }))
     }
 
@@ -112,15 +133,16 @@ impl DistEnv {
             local_world_size: world_size,
             master_addr: "127.0.0.1".into(),
             master_port: port,
+            store_port: port,
         }
     }
 
-    /// `MASTER_ADDR:MASTER_PORT`, bracketing an IPv6 literal.
+    /// `MASTER_ADDR:store_port` (see [`DistEnv::store_port`]), bracketing an IPv6 literal.
     pub fn store_addr(&self) -> String {
         if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
-            format!("[{}]:{}", self.master_addr, self.master_port)
+            format!("[{}]:{}", self.master_addr, self.store_port)
         } else {
-            format!("{}:{}", self.master_addr, self.master_port)
+            format!("{}:{}", self.master_addr, self.store_port)
         }
     }
 }

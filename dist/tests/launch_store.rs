@@ -54,6 +54,16 @@ fn env_contract_parses_and_names_bad_variables() {
     assert!(err_with("LOCAL_WORLD_SIZE", "8").contains("LOCAL_WORLD_SIZE=8"));
     assert!(err_with("MASTER_PORT", "70000").contains("MASTER_PORT"));
     assert!(err_with("MASTER_PORT", "0").contains("MASTER_PORT"));
+    // Under torchrun its agent serves its own store at MASTER_PORT: vime's moves to the next port
+    // (the GPU machine refused the bind with "Address already in use" before this rule).
+    let mut torchrun: Vec<(&str, &str)> = FULL.to_vec();
+    torchrun.push(("TORCHELASTIC_RUN_ID", "none"));
+    assert_eq!(env_of(&torchrun).unwrap().unwrap().store_addr(), "10.0.0.1:29501");
+    torchrun.push(("VIME_STORE_PORT", "31000"));
+    assert_eq!(env_of(&torchrun).unwrap().unwrap().store_addr(), "10.0.0.1:31000");
+    let mut bad: Vec<(&str, &str)> = FULL.to_vec();
+    bad.push(("VIME_STORE_PORT", "x"));
+    assert!(env_of(&bad).unwrap_err().to_string().contains("VIME_STORE_PORT"));
 }
 
 #[test]
