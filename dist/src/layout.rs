@@ -314,7 +314,7 @@ impl LayoutTable {
         if parts.is_empty() {
             return Ok(Tensor::zeros(0, dtype, &device)?);
         }
-        Ok(Tensor::cat(&parts, 0).context("concatenating the flat buffer")?)
+        Tensor::cat(&parts, 0).context("concatenating the flat buffer")
     }
 
     /// The parameters of a flat buffer (1-D, at least `total_numel` long; elements past it are
