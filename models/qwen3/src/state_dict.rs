@@ -43,18 +43,10 @@ impl ParamKind {
     }
 }
 
-/// How tensor parallelism splits a parameter across the TP ranks (shapes as in [`ParamSpec`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Placement {
-    /// Every TP rank holds the whole tensor (norm gains, o_proj's bias).
-    Replicated,
-    /// Split along dim 0, the output features (q/k/v, gate/up weights; q/k/v biases).
-    Column,
-    /// Split along dim 1, the input features (o_proj, down_proj weights).
-    Row,
-    /// Split along dim 0, the vocabulary (embed_tokens, lm_head).
-    Vocab,
-}
+/// How tensor parallelism splits a parameter (the layout table's type, so both read one enum):
+/// `Replicated` (norm gains, o_proj's bias), `Column` (dim 0: q/k/v, gate/up weights, q/k/v
+/// biases), `Row` (dim 1: o_proj, down_proj weights), `Vocab` (dim 0: embed_tokens, lm_head).
+pub use vime_dist::layout::Placement;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParamSpec {

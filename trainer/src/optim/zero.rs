@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use vime_dist::layout::{LayoutEntry, LayoutTable, Placement, Segment};
 use vime_dist::{Collectives, ReduceOp};
-use vime_qwen3::state_dict::{self, ParamSpec};
+use vime_qwen3::state_dict::ParamSpec;
 
 /// Every DP shard's length is a multiple of this many elements.
 pub const SHARD_ALIGN: usize = 128;
@@ -50,18 +50,12 @@ pub fn qwen3_layout(specs: &[ParamSpec], dtype: DType, tp_rank: usize, tp_size: 
     let entries = specs
         .iter()
         .map(|s| {
-            let placement = match s.placement {
-                state_dict::Placement::Replicated => Placement::Replicated,
-                state_dict::Placement::Column => Placement::Column,
-                state_dict::Placement::Row => Placement::Row,
-                state_dict::Placement::Vocab => Placement::Vocab,
-            };
             LayoutEntry::new(
                 s.name.clone(),
                 &s.shape,
                 dtype,
                 megatron_weight_decay(&s.name, &s.shape),
-                placement,
+                s.placement,
             )
         })
         .collect();
