@@ -400,3 +400,50 @@ fn a_rank_that_dies_mid_step_fails_the_run_naming_it() {
         );
     }
 }
+
+/// Ctrl-C reaches every rank of `--nproc-per-node` (a terminal signals the whole foreground
+/// process group): the ranks agree to stop at the same step, and the launcher exits 130 like a
+/// single process; the metrics file holds every finished step once.
+#[test]
+fn ctrl_c_stops_every_rank_at_one_step() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train) = task(&dir.path().join("task"));
+    let save = dir.path().join("run");
+    let child = Command::new(bin())
+        .args(["--nproc-per-node", "2"])
+        .args(flags(&model, &train, &save, 400, 2))
+        .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let latest = || {
+        std::fs::read_to_string(save.join("latest_checkpointed_iteration.txt"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    let t = Instant::now();
+    while latest().is_none_or(|s| s < 2) {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no step-2 checkpoint after 2 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let group = format!("-{}", child.id());
+    assert!(Command::new("kill")
+        .args(["-INT", "--", &group])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted after step"), "{stderr}");
+    let lines = read_metrics(&save.join("metrics.jsonl")).unwrap();
+    let last = lines.last().unwrap().0;
+    assert!((2..400).contains(&last), "stopped at step {last}");
+    let steps: Vec<u64> = lines.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, (1..=last).collect::<Vec<_>>());
+}

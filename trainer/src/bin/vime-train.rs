@@ -80,7 +80,7 @@ fn main() {
         // (A process that already has torchrun's environment is a rank: it runs.)
         if std::env::var_os("RANK").is_none() {
             let code = match launch(n) {
-                Ok(()) => 0,
+                Ok(code) => code,
                 Err(e) => {
                     eprintln!("vime-train: error: {e:#}");
                     1
@@ -104,7 +104,9 @@ fn main() {
 }
 
 /// The launcher: this program's own arguments minus `--nproc-per-node N`, run as N local ranks.
-fn launch(nproc: usize) -> Result<()> {
+/// Exits 0 when every rank did, 130 when every rank stopped on Ctrl-C (as a single process does),
+/// else with an error naming the first rank that failed.
+fn launch(nproc: usize) -> Result<i32> {
     let mut args: Vec<std::ffi::OsString> = Vec::new();
     let mut it = std::env::args_os().skip(1);
     while let Some(a) = it.next() {
@@ -117,7 +119,17 @@ fn launch(nproc: usize) -> Result<()> {
         }
     }
     let program = std::env::current_exe().context("finding this program's path to start the ranks")?;
-    vime_dist::launch::spawn_local(nproc, &program, &args)
+    let run = vime_dist::launch::run_local(&vime_dist::launch::LocalLaunch::new(nproc, &program, &args), |_, _| {})?;
+    if run.statuses.iter().all(|s| s.code() == Some(130)) {
+        return Ok(130);
+    }
+    match run.first_failure {
+        None => Ok(0),
+        Some(r) => anyhow::bail!(
+            "local rank {r} failed: {}",
+            vime_dist::launch::describe_status(&run.statuses[r])
+        ),
+    }
 }
 
 fn run(cli: Cli) -> Result<i32> {
