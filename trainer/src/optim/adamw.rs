@@ -281,37 +281,7 @@ impl AdamW {
     /// for bit with the run that saved them. Every tensor is checked (present, f32, shape, no
     /// unknown names) before anything changes.
     pub fn load_state_tensors(&mut self, map: &BTreeMap<String, Tensor>, num_steps: u64) -> Result<()> {
-        let mut expected = BTreeSet::new();
-        for p in &self.params {
-            for prefix in ["master", "exp_avg", "exp_avg_sq"] {
-                let key = format!("{prefix}.{}", p.name);
-                let Some(t) = map.get(&key) else {
-                    bail!("optimizer state has no tensor {key}");
-                };
-                if t.dtype() != DType::F32 {
-                    bail!("optimizer state tensor {key} has dtype {:?}, expected F32", t.dtype());
-                }
-                if t.dims() != p.var.dims() {
-                    bail!(
-                        "optimizer state tensor {key} has shape {:?}, the parameter {:?}",
-                        t.dims(),
-                        p.var.dims()
-                    );
-                }
-                expected.insert(key);
-            }
-        }
-        let unknown: Vec<&str> = map
-            .keys()
-            .filter(|k| !expected.contains(*k))
-            .map(String::as_str)
-            .collect();
-        if !unknown.is_empty() {
-            bail!(
-                "optimizer state has tensors for no parameter of this model: {}",
-                unknown.join(", ")
-            );
-        }
+        check_state_map(map, self.params.iter().map(|p| (p.name.as_str(), p.var.dims())))?;
         for p in self.params.iter_mut() {
             let load = |prefix: &str| -> Result<Tensor> {
                 let key = format!("{prefix}.{}", p.name);
@@ -452,5 +422,49 @@ fn fused_cuda(p: &ParamState) -> bool {
 /// `var <- master` cast to the var's dtype.
 fn write_model(var: &Var, master: &Tensor) -> Result<()> {
     var.set(&master.to_dtype(var.dtype())?)?;
+    Ok(())
+}
+
+/// The keys of an optimizer state map, per parameter.
+pub(super) const STATE_PREFIXES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
+/// Checks an optimizer state map against `(name, shape)` of every parameter before anything is
+/// loaded: each `master.` / `exp_avg.` / `exp_avg_sq.` tensor present, f32, of the parameter's
+/// shape, and no key for a parameter that is not there.
+pub(super) fn check_state_map<'a>(
+    map: &BTreeMap<String, Tensor>,
+    params: impl Iterator<Item = (&'a str, &'a [usize])>,
+) -> Result<()> {
+    let mut expected = BTreeSet::new();
+    for (name, shape) in params {
+        for prefix in STATE_PREFIXES {
+            let key = format!("{prefix}.{name}");
+            let Some(t) = map.get(&key) else {
+                bail!("optimizer state has no tensor {key}");
+            };
+            if t.dtype() != DType::F32 {
+                bail!("optimizer state tensor {key} has dtype {:?}, expected F32", t.dtype());
+            }
+            if t.dims() != shape {
+                bail!(
+                    "optimizer state tensor {key} has shape {:?}, the parameter {:?}",
+                    t.dims(),
+                    shape
+                );
+            }
+            expected.insert(key);
+        }
+    }
+    let unknown: Vec<&str> = map
+        .keys()
+        .filter(|k| !expected.contains(*k))
+        .map(String::as_str)
+        .collect();
+    if !unknown.is_empty() {
+        bail!(
+            "optimizer state has tensors for no parameter of this model: {}",
+            unknown.join(", ")
+        );
+    }
     Ok(())
 }

@@ -29,7 +29,7 @@
 //! - Tensor parallelism: the layout table gives local shapes; the gradient norm here is over the
 //!   DP group only (a TP > 1 run must still all-reduce the squared norm over the model-parallel
 //!   group, counting replicated parameters once; not needed until TP lands).
-use super::adamw::{self, StepConsts};
+use super::adamw::{self, check_state_map, StepConsts, STATE_PREFIXES};
 use super::{clip_coefficient, global_grad_norm, megatron_weight_decay, AdamW, NonFiniteGradNorm, OptimizerArgs};
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -41,8 +41,6 @@ use vime_qwen3::state_dict::ParamSpec;
 
 /// Every DP shard's length is a multiple of this many elements.
 pub const SHARD_ALIGN: usize = 128;
-
-const STATE_PREFIXES: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
 
 /// The layout table of a Qwen3 model held in `dtype`, as TP rank `tp_rank` of `tp_size` holds it,
 /// with Megatron's weight-decay rule.
@@ -507,37 +505,10 @@ impl DistributedAdamW {
         if let State::Whole(adamw) = &mut self.state {
             return adamw.load_state_tensors(map, num_steps);
         }
-        let mut expected = BTreeSet::new();
-        for p in self.layout.entries() {
-            for prefix in STATE_PREFIXES {
-                let key = format!("{prefix}.{}", p.name());
-                let Some(t) = map.get(&key) else {
-                    bail!("optimizer state has no tensor {key}");
-                };
-                if t.dtype() != DType::F32 {
-                    bail!("optimizer state tensor {key} has dtype {:?}, expected F32", t.dtype());
-                }
-                if t.dims() != p.local_shape.as_slice() {
-                    bail!(
-                        "optimizer state tensor {key} has shape {:?}, the parameter {:?}",
-                        t.dims(),
-                        p.local_shape
-                    );
-                }
-                expected.insert(key);
-            }
-        }
-        let unknown: Vec<&str> = map
-            .keys()
-            .filter(|k| !expected.contains(*k))
-            .map(String::as_str)
-            .collect();
-        if !unknown.is_empty() {
-            bail!(
-                "optimizer state has tensors for no parameter of this model: {}",
-                unknown.join(", ")
-            );
-        }
+        check_state_map(
+            map,
+            self.layout.entries().iter().map(|p| (p.name(), p.local_shape.as_slice())),
+        )?;
         let State::Sharded { segs, num_steps: n } = &mut self.state else {
             unreachable!("dp > 1 is sharded")
         };
