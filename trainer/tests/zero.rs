@@ -2,8 +2,8 @@
 //!
 //! - dp = 1 (`SingleRank`) is `AdamW` bit for bit: weights, norms and state, f32 and bf16 models,
 //!   clipping on and off, weight decay on and off (Megatron's rule picks which tensors decay).
-//! - dp = 2, 3, 4: ranks are threads joined by `ThreadGroup`, a small in-test `Collectives` that
-//!   sums in group-rank order (the contract of the CPU backend). Each rank gets its own gradient;
+//! - dp = 2, 3, 4: ranks are threads, each a rank of a real CPU-backend group (`vime_dist::cpu`,
+//!   sums in group-rank order). Each rank gets its own gradient;
 //!   the norm equals the single-process norm of the summed gradient to 1e-12 (relative), and
 //!   weights / state equal one `AdamW` stepping on that sum formed in rank order, given the same
 //!   clipping factor (the factor is computed from the norm, whose last f64 bits depend on how
@@ -16,10 +16,12 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier, Mutex};
 use vime_dist::collectives::SingleRank;
+use vime_dist::cpu::CpuGroup;
+use vime_dist::launch::{free_port, Timeouts};
 use vime_dist::layout::LayoutTable;
-use vime_dist::{Collectives, ReduceOp};
+use vime_dist::store::{StoreClient, StoreServer};
+use vime_dist::Collectives;
 use vime_kernels::testing::Rng;
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::state_dict::param_specs;
@@ -32,127 +34,22 @@ use vime_trainer::optim::{
 // Ranks as threads
 // ------------------------------------------------------------------------------------------
 
-struct Hub {
-    slots: Mutex<Vec<Option<Tensor>>>,
-    bytes: Mutex<Vec<Vec<u8>>>,
-    barrier: Barrier,
-}
-
-/// One rank of an in-process group: every collective posts this rank's tensor, waits for all,
-/// reduces in group-rank order, waits again (so slots are not overwritten before all have read).
-struct ThreadGroup {
-    hub: Arc<Hub>,
-    rank: usize,
-    members: Vec<usize>,
-}
-
-impl ThreadGroup {
-    fn group(n: usize) -> Vec<ThreadGroup> {
-        let hub = Arc::new(Hub {
-            slots: Mutex::new(vec![None; n]),
-            bytes: Mutex::new(vec![Vec::new(); n]),
-            barrier: Barrier::new(n),
-        });
-        (0..n)
-            .map(|rank| ThreadGroup {
-                hub: hub.clone(),
-                rank,
-                members: (0..n).collect(),
-            })
-            .collect()
-    }
-
-    fn exchange(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        self.hub.slots.lock().unwrap()[self.rank] = Some(t.copy()?);
-        self.hub.barrier.wait();
-        let all: Vec<Tensor> = self
-            .hub
-            .slots
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|t| t.clone().unwrap())
-            .collect();
-        self.hub.barrier.wait();
-        for t in &all {
-            anyhow::ensure!(
-                t.dims() == all[0].dims() && t.dtype() == all[0].dtype(),
-                "collective shape mismatch: {:?} vs {:?}",
-                t.dims(),
-                all[0].dims()
-            );
-        }
-        Ok(all)
-    }
-
-    fn reduce(all: &[Tensor], op: ReduceOp) -> Result<Tensor> {
-        let mut acc = all[0].clone();
-        for t in &all[1..] {
-            acc = match op {
-                ReduceOp::Sum => (acc + t)?,
-                ReduceOp::Max => acc.maximum(t)?,
-            };
-        }
-        Ok(acc)
-    }
-}
-
-impl Collectives for ThreadGroup {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn size(&self) -> usize {
-        self.members.len()
-    }
-    fn members(&self) -> &[usize] {
-        &self.members
-    }
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        Self::reduce(&self.exchange(t)?, op)
-    }
-    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        Ok(Tensor::cat(&self.exchange(t)?, 0)?)
-    }
-    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let sum = Self::reduce(&self.exchange(t)?, op)?;
-        let n = t.dim(0)? / self.size();
-        Ok(sum.narrow(0, self.rank * n, n)?.copy()?)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        Ok(self.exchange(t)?[root].copy()?)
-    }
-    fn barrier(&self) -> Result<()> {
-        self.hub.barrier.wait();
-        Ok(())
-    }
-    fn send(&self, _t: &Tensor, _peer: usize) -> Result<()> {
-        anyhow::bail!("ThreadGroup has no send")
-    }
-    fn recv(&self, _shape: &[usize], _dtype: DType, _peer: usize) -> Result<Tensor> {
-        anyhow::bail!("ThreadGroup has no recv")
-    }
-    fn broadcast_bytes(&self, data: &[u8], root: usize) -> Result<Vec<u8>> {
-        Ok(self.all_gather_bytes(data)?.swap_remove(root))
-    }
-    fn all_gather_bytes(&self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.hub.bytes.lock().unwrap()[self.rank] = data.to_vec();
-        self.hub.barrier.wait();
-        let all = self.hub.bytes.lock().unwrap().clone();
-        self.hub.barrier.wait();
-        Ok(all)
-    }
-}
-
-/// Runs `f(rank, group)` on `dp` threads; results in rank order.
-fn run_ranks<T: Send>(dp: usize, f: impl Fn(usize, &ThreadGroup) -> Result<T> + Sync) -> Vec<T> {
-    let groups = ThreadGroup::group(dp);
+/// Runs `f(rank, group)` on `dp` threads, each rank of a real CPU-backend group (TCP through a
+/// store on loopback, sums in rank order); results in rank order.
+fn run_ranks<T: Send>(dp: usize, f: impl Fn(usize, &dyn Collectives) -> Result<T> + Sync) -> Vec<T> {
+    let t = Timeouts::default();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let _server = StoreServer::bind(&addr, t.heartbeat).unwrap();
+    let members: Vec<usize> = (0..dp).collect();
     std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .iter()
-            .enumerate()
-            .map(|(r, g)| {
-                let f = &f;
-                s.spawn(move || f(r, g))
+        let handles: Vec<_> = (0..dp)
+            .map(|r| {
+                let (f, addr, members) = (&f, &addr, &members);
+                s.spawn(move || -> Result<T> {
+                    let store = StoreClient::connect(addr, r, t.rendezvous)?;
+                    let g = CpuGroup::new(&store, "dp", members, r, &t)?;
+                    f(r, &g)
+                })
             })
             .collect();
         handles
@@ -467,10 +364,9 @@ fn err_of<T>(r: Result<T>) -> String {
 fn errors_name_the_tensor() -> Result<()> {
     let dtype = DType::F32;
     let q = "model.layers.1.self_attn.q_proj.weight";
-    // Checks run before any collective, so one thread may hold rank 0 of a group of 2.
-    let pair = ThreadGroup::group(2);
+    // Checks run before any collective: rank 0 of a group of 2 (rank 1 only joins) and one rank.
     let single = SingleRank::default();
-    for g in [&pair[0] as &dyn Collectives, &single] {
+    let check = |g: &dyn Collectives| -> Result<()> {
         let p = model(dtype);
         let mut zero = DistributedAdamW::with_layout(&p, layout(dtype), &args(1.0, 0.1), g)?;
         let mut gr = grads(0, 0, 1.0);
@@ -519,7 +415,10 @@ fn errors_name_the_tensor() -> Result<()> {
             g,
         ));
         assert!(e.contains("model.embed_tokens.weight") && e.contains("BF16"), "{e}");
-    }
+        Ok(())
+    };
+    run_ranks(2, |r, g| if r == 0 { check(g) } else { Ok(()) });
+    check(&single)?;
     // A TP size that does not divide a split dim (vocab 32, q_dim 16, kv_dim 8 / 3).
     let e = err_of(qwen3_layout(&param_specs(&tiny_cfg()), dtype, 0, 3));
     assert!(
@@ -618,11 +517,12 @@ fn segments_of_all_ranks_cover_every_parameter_once() -> Result<()> {
             .collect();
         let lt = replicated_layout(&params)?;
         for dp in 1..=5 {
-            let groups = ThreadGroup::group(dp);
+            let per_rank = run_ranks(dp, |_, g| {
+                Ok(DistributedAdamW::with_layout(&params, lt.clone(), &args(1.0, 0.0), g)?.segments())
+            });
             let mut seen = vec![0usize; lt.total_numel()];
-            for g in &groups {
-                let zero = DistributedAdamW::with_layout(&params, lt.clone(), &args(1.0, 0.0), g)?;
-                for s in zero.segments() {
+            for segments in per_rank {
+                for s in segments {
                     seen[s.flat_range.clone()].iter_mut().for_each(|x| *x += 1);
                     assert_eq!(lt.entries()[s.entry].offset + s.param_range.start, s.flat_range.start);
                 }

@@ -507,7 +507,10 @@ impl DistributedAdamW {
         }
         check_state_map(
             map,
-            self.layout.entries().iter().map(|p| (p.name(), p.local_shape.as_slice())),
+            self.layout
+                .entries()
+                .iter()
+                .map(|p| (p.name(), p.local_shape.as_slice())),
         )?;
         let State::Sharded { segs, num_steps: n } = &mut self.state else {
             unreachable!("dp > 1 is sharded")
