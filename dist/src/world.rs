@@ -258,14 +258,6 @@ impl World {
         self.shutdown()
     }
 
-    /// Leaves without a goodbye, as a failed rank: the store reports this rank as failed and every
-    /// other rank's watchdog exits naming it, instead of waiting in its next collective. What the
-    /// trainer does on an error.
-    /// (Rank 0 hosts the store: it stops with this process, which the others also notice.)
-    pub fn abandon(self) {
-        drop(self);
-    }
-
     fn shutdown(&mut self) -> Result<()> {
         let bye = self.watchdog.take().map(Watchdog::finish).unwrap_or(Ok(()));
         let all = match &self.server {

@@ -242,7 +242,11 @@ fn compare_backward(
 }
 
 pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
-    let kernels = crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
+    let kernels = crate::device::apply_kernel_flags(
+        &args.attention_backend,
+        args.deterministic_mode,
+        vime_kernels::CudnnFailure::Fallback,
+    )?;
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,

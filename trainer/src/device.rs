@@ -37,14 +37,18 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
-/// The kernel config of `--attention-backend` and `--deterministic-mode`, for the model(s) of this
-/// process (world size 1: a cuDNN failure under `auto` falls back to the flash kernel).
-pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Result<vime_kernels::KernelConfig> {
+/// The kernel config of `--attention-backend` and `--deterministic-mode` for the model(s) of this
+/// process, with what a cuDNN failure does: `Fallback` (one process: report it, then the flash
+/// kernel) or `Error` (several ranks: no rank may switch kernels alone).
+pub fn apply_kernel_flags(
+    attention_backend: &str,
+    deterministic: bool,
+    on_cudnn_failure: vime_kernels::CudnnFailure,
+) -> Result<vime_kernels::KernelConfig> {
     let b: vime_kernels::AttentionBackend = attention_backend
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--attention-backend: {e}"))?;
-    let cfg = vime_kernels::KernelConfig::new(b, deterministic, vime_kernels::CudnnFailure::Fallback)
-        .map_err(anyhow::Error::msg)?;
+    let cfg = vime_kernels::KernelConfig::new(b, deterministic, on_cudnn_failure).map_err(anyhow::Error::msg)?;
     if b == vime_kernels::AttentionBackend::Flash && vime_kernels::CUDNN_BUILT {
         // slime's Megatron scripts pass `--attention-backend flash`; say what it means here.
         eprintln!(
@@ -59,14 +63,16 @@ pub fn apply_kernel_flags(attention_backend: &str, deterministic: bool) -> Resul
 mod tests {
     use super::*;
 
+    const F: vime_kernels::CudnnFailure = vime_kernels::CudnnFailure::Fallback;
+
     #[test]
     fn kernel_flags_are_checked() {
-        let e = apply_kernel_flags("unfused", false).unwrap_err().to_string();
+        let e = apply_kernel_flags("unfused", false, F).unwrap_err().to_string();
         assert!(e.contains("--attention-backend") && e.contains("unfused"), "{e}");
-        let auto = apply_kernel_flags("auto", true).unwrap();
+        let auto = apply_kernel_flags("auto", true, F).unwrap();
         assert_eq!(auto.attention(), vime_kernels::AttentionBackend::Auto);
         assert!(auto.deterministic());
-        let fused = apply_kernel_flags("fused", false);
+        let fused = apply_kernel_flags("fused", false, F);
         assert_eq!(fused.is_ok(), vime_kernels::CUDNN_BUILT, "{fused:?}");
     }
 }

@@ -123,18 +123,11 @@ pub fn run(args: &TrainArgs) -> Result<RunSummary> {
     ui::install_interrupt_handler();
     let (world, device, backend) = parallel::join_world(&args.parallel, &args.device)?;
     let mut run = Run::setup(args, world, device, backend)?;
-    match run.main_loop() {
-        Ok(summary) => {
-            run.world.finish()?;
-            Ok(summary)
-        }
-        Err(e) => {
-            // No goodbye: the other ranks' watchdogs report this rank as failed and exit, instead
-            // of waiting in their next collective.
-            run.world.abandon();
-            Err(e)
-        }
-    }
+    // On an error the run (and its world) is dropped without a goodbye: the other ranks'
+    // watchdogs report this rank as failed instead of waiting in their next collective.
+    let summary = run.main_loop()?;
+    run.world.finish()?;
+    Ok(summary)
 }
 
 fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
@@ -143,17 +136,15 @@ fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
 
 impl<'a> Run<'a> {
     fn setup(args: &'a TrainArgs, world: World, device: candle_core::Device, backend: &str) -> Result<Self> {
-        let mut kernels = crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode)?;
-        if world.size() > 1 {
-            // Several ranks: a cuDNN failure is an error, never one rank falling back to the flash
-            // kernel alone (its numbers, and its determinism, would differ from the others').
-            kernels = vime_kernels::KernelConfig::new(
-                kernels.attention(),
-                kernels.deterministic(),
-                vime_kernels::CudnnFailure::Error,
-            )
-            .map_err(|e| anyhow::anyhow!("--attention-backend: {e}"))?;
-        }
+        // Several ranks: a cuDNN failure is an error, never one rank falling back to the flash
+        // kernel alone (its numbers, and its determinism, would differ from the others').
+        let on_cudnn_failure = if world.size() > 1 {
+            vime_kernels::CudnnFailure::Error
+        } else {
+            vime_kernels::CudnnFailure::Fallback
+        };
+        let kernels =
+            crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode, on_cudnn_failure)?;
         let dtype = parse_dtype(&args.dtype)?;
         let rank0 = world.rank() == 0;
         let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };

@@ -194,7 +194,7 @@ fn optimizer_step(
     let lengths: Vec<usize> = mine.iter().map(|&i| samples[i].tokens.len()).collect();
     let mut acc = GradAccumulator::new();
     let mut report = StepReport::default();
-    let mut counts = BTreeMap::new();
+    let (mut tokens, mut micro_batches) = (0usize, 0usize);
     for local in cfg.micro_batches.plan(&lengths)? {
         let global: Vec<usize> = local.iter().map(|&j| mine[j]).collect();
         let mb = MicroBatch::new(&views, &global)?;
@@ -202,8 +202,8 @@ fn optimizer_step(
         let (grads, metrics) = mb_fn(&mb, &lt, norm)?;
         acc.add(&grads)?;
         accumulate(&mut report.metrics, &metrics, 1.0);
-        *counts.entry("tokens".to_string()).or_insert(0.0) += mb.num_tokens() as f64;
-        *counts.entry("micro_batches".to_string()).or_insert(0.0) += 1.0;
+        tokens += mb.num_tokens();
+        micro_batches += 1;
     }
     let grads = acc.take();
     // For the multi-rank failure tests: a rank that dies, or fails with an error, while the
@@ -219,10 +219,14 @@ fn optimizer_step(
     if fault == format!("error-rank-{}-in-step", cfg.dp.rank()) {
         anyhow::bail!("VIME_FAULT_INJECT: data-parallel rank {} fails mid-step", cfg.dp.rank());
     }
+    // One exchange sums the loss metrics and the counts over the ranks (the two keys below are
+    // no loss metric's name).
+    let (tk, mk) = ("\u{0}tokens", "\u{0}micro_batches");
+    report.metrics.insert(tk.into(), tokens as f64);
+    report.metrics.insert(mk.into(), micro_batches as f64);
     super::parallel::sum_metrics(cfg.dp, &mut report.metrics)?;
-    super::parallel::sum_metrics(cfg.dp, &mut counts)?;
-    report.tokens = counts["tokens"] as usize;
-    report.micro_batches = counts["micro_batches"] as usize;
+    report.tokens = report.metrics.remove(tk).unwrap_or(0.0) as usize;
+    report.micro_batches = report.metrics.remove(mk).unwrap_or(0.0) as usize;
     report.lr = sched.lr_at(opt.num_steps());
     // Reduce-scatter, global norm, clipping folded into the update, all-gather.
     report.grad_norm = opt.step(&grads, report.lr, cfg.clip_grad, cfg.dp)?;
