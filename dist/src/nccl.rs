@@ -50,24 +50,33 @@ impl NcclGroup {
             .position(|&m| m == global)
             .ok_or_else(|| anyhow!("rank {global} is not a member of group {name} {members:?}"))?;
         let key = format!("nccl/{name}/id");
-        let err = |what: &str, e: NcclError| anyhow!("group {name}: NCCL {what}: {e:?}");
-        let id = if rank == 0 {
-            let id = Id::new().map_err(|e| err("GetUniqueId", e))?;
-            let bytes: Vec<u8> = id.internal().iter().map(|c| *c as u8).collect();
+        let bytes = if rank == 0 {
+            let bytes = Self::unique_id().map_err(|e| anyhow!("group {name}: {e}"))?;
             store.set(&key, &bytes)?;
-            id
+            bytes
         } else {
-            let bytes = store.get(&key, t.rendezvous)?;
-            let arr: [u8; 128] = bytes.as_slice().try_into().map_err(|_| {
-                anyhow!(
-                    "group {name}: the NCCL id in the store has {} bytes, not 128",
-                    bytes.len()
-                )
-            })?;
-            Id::uninit(arr.map(|b| b as std::ffi::c_char))
+            store.get(&key, t.rendezvous)?
         };
+        Self::from_unique_id(name, &bytes, rank, members, device)
+    }
+
+    /// A fresh NCCL unique id (`ncclGetUniqueId`), 128 bytes.
+    pub fn unique_id() -> Result<Vec<u8>> {
+        let id = Id::new().map_err(|e| anyhow!("NCCL GetUniqueId: {e:?}"))?;
+        Ok(id.internal().iter().map(|c| *c as u8).collect())
+    }
+
+    /// Joins the communicator of `id` (128 bytes, made by one member with [`Self::unique_id`]) as
+    /// group rank `rank` of `members`: blocks in `ncclCommInitRank` until every member has joined.
+    /// What a weight-sync group with engines of other programs uses (they get the id over HTTP).
+    pub fn from_unique_id(name: &str, id: &[u8], rank: usize, members: &[usize], device: &Device) -> Result<Self> {
+        let arr: [u8; 128] = id
+            .try_into()
+            .map_err(|_| anyhow!("group {name}: an NCCL unique id is 128 bytes, got {}", id.len()))?;
+        let id = Id::uninit(arr.map(|b| b as std::ffi::c_char));
         let stream = device.as_cuda_device()?.cuda_stream();
-        let comm = Comm::from_rank(stream, rank, members.len(), id).map_err(|e| err("CommInitRank", e))?;
+        let comm = Comm::from_rank(stream, rank, members.len(), id)
+            .map_err(|e| anyhow!("group {name}: NCCL CommInitRank: {e:?}"))?;
         Ok(NcclGroup {
             name: name.to_string(),
             rank,

@@ -119,6 +119,11 @@ pub struct ServeConfig {
     pub batch_window: Duration,
     /// Most requests (prompts x n) per engine call; one larger HTTP request still runs whole.
     pub max_batch_size: usize,
+    /// The streamed weight-sync backend (`--weight-transfer-config '{"backend": ..}'`); `None`
+    /// refuses the weight-transfer routes, as vLLM does without the flag.
+    pub weight_transfer: Option<vime_sync::RecvKind>,
+    /// Bound of a weight-sync rendezvous and of one bucket's receive.
+    pub weight_transfer_timeout: Duration,
 }
 
 impl ServeConfig {
@@ -158,6 +163,8 @@ impl ServeConfig {
             tokenizer,
             batch_window: Duration::from_millis(5),
             max_batch_size: 256,
+            weight_transfer: None,
+            weight_transfer_timeout: Duration::from_secs(300),
         })
     }
 }
@@ -249,16 +256,81 @@ enum Msg {
         dir: PathBuf,
         done: oneshot::Sender<Result<u64, String>>,
     },
+    Weights {
+        op: SyncOp,
+        done: oneshot::Sender<SyncReply>,
+    },
 }
+
+/// One weight-transfer call, run by the receiver thread.
+#[derive(Debug)]
+enum SyncOp {
+    Init(Value),
+    Start,
+    Update(Value),
+    Finish,
+}
+
+type SyncReply = Result<Value, String>;
+type SyncChannel = std::sync::mpsc::Sender<(SyncOp, oneshot::Sender<SyncReply>)>;
 
 enum Outcome {
     Generated(Result<Vec<GenOutput>>),
     Reloaded(Result<()>),
+    Synced(SyncReply),
 }
 
 enum RunMeta {
     Generate(Vec<GenJob>),
     Reload(oneshot::Sender<Result<u64, String>>),
+    Sync(oneshot::Sender<SyncReply>),
+}
+
+/// Weight changes run alone, between batches, in arrival order.
+enum WeightJob {
+    Dir(PathBuf, oneshot::Sender<Result<u64, String>>),
+    Sync(SyncOp, oneshot::Sender<SyncReply>),
+}
+
+/// The receiver thread: it owns the [`vime_sync::WeightReceiver`] (its NCCL communicator cannot
+/// move between threads) and runs one weight-transfer call at a time.
+fn spawn_receiver(kind: vime_sync::RecvKind, engine: Arc<dyn RolloutEngine>, deadline: Duration) -> SyncChannel {
+    let (tx, rx) = std::sync::mpsc::channel::<(SyncOp, oneshot::Sender<SyncReply>)>();
+    std::thread::Builder::new()
+        .name("vime-serve-weight-sync".into())
+        .spawn(move || {
+            let Some(sink) = engine.weight_sink() else {
+                for (_, done) in rx {
+                    let _ = done.send(Err("this engine does not accept streamed weights".into()));
+                }
+                return;
+            };
+            let mut recv = vime_sync::WeightReceiver::new(kind, sink.device(), deadline);
+            for (op, done) in rx {
+                let t = Instant::now();
+                let r = match &op {
+                    SyncOp::Init(info) => recv.init(info).map(|_| json!({})),
+                    SyncOp::Start => recv.start().map(|_| json!({})),
+                    SyncOp::Update(info) => recv.update(info, sink).map(|_| json!({})),
+                    SyncOp::Finish => recv.finish(sink).map(|(b, n)| {
+                        eprintln!("vime-serve: weight update received: {n} tensors in {b} bucket(s)");
+                        json!({})
+                    }),
+                };
+                if let SyncOp::Init(_) = op {
+                    if r.is_ok() {
+                        eprintln!(
+                            "vime-serve: weight transfer engine ({}) ready in {:.3} s",
+                            kind.as_str(),
+                            t.elapsed().as_secs_f64()
+                        );
+                    }
+                }
+                let _ = done.send(r.map_err(|e| format!("{e:#}")));
+            }
+        })
+        .expect("spawning the weight-sync thread");
+    tx
 }
 
 struct Batcher {
@@ -268,7 +340,8 @@ struct Batcher {
     window: Duration,
     max_batch: usize,
     queue: VecDeque<GenJob>,
-    reloads: VecDeque<(PathBuf, oneshot::Sender<Result<u64, String>>)>,
+    reloads: VecDeque<WeightJob>,
+    receiver: Option<SyncChannel>,
     running: Option<(JoinHandle<Outcome>, RunMeta)>,
     paused: Option<PauseMode>,
     pause_waiters: Vec<oneshot::Sender<()>>,
@@ -287,11 +360,37 @@ impl Batcher {
     async fn run(mut self) {
         loop {
             if self.running.is_none() {
-                if let Some((dir, done)) = self.reloads.pop_front() {
-                    let engine = self.engine.clone();
-                    let h =
-                        tokio::task::spawn_blocking(move || Outcome::Reloaded(engine.update_weights_from_dir(&dir)));
-                    self.running = Some((h, RunMeta::Reload(done)));
+                if let Some(job) = self.reloads.pop_front() {
+                    match job {
+                        WeightJob::Dir(dir, done) => {
+                            let engine = self.engine.clone();
+                            let h = tokio::task::spawn_blocking(move || {
+                                Outcome::Reloaded(engine.update_weights_from_dir(&dir))
+                            });
+                            self.running = Some((h, RunMeta::Reload(done)));
+                        }
+                        WeightJob::Sync(op, done) => match &self.receiver {
+                            None => {
+                                let _ = done.send(Err("vime-serve was started without --weight-transfer-config; \
+                                     the weight-transfer routes are off"
+                                    .into()));
+                            }
+                            Some(tx) => {
+                                let (rtx, rrx) = oneshot::channel();
+                                let sent = tx.send((op, rtx)).is_ok();
+                                let h = tokio::spawn(async move {
+                                    if !sent {
+                                        return Outcome::Synced(Err("the weight-sync thread has stopped".into()));
+                                    }
+                                    Outcome::Synced(
+                                        rrx.await
+                                            .unwrap_or_else(|_| Err("the weight-sync thread has stopped".into())),
+                                    )
+                                });
+                                self.running = Some((h, RunMeta::Sync(done)));
+                            }
+                        },
+                    }
                 } else if self.may_start_generation() {
                     self.queue.retain(|j| !j.reply.is_closed());
                     let queued: usize = self.queue.iter().map(|j| j.requests.len()).sum();
@@ -360,7 +459,8 @@ impl Batcher {
                 }
                 let _ = done.send(());
             }
-            Msg::Reload { dir, done } => self.reloads.push_back((dir, done)),
+            Msg::Reload { dir, done } => self.reloads.push_back(WeightJob::Dir(dir, done)),
+            Msg::Weights { op, done } => self.reloads.push_back(WeightJob::Sync(op, done)),
         }
     }
 
@@ -429,6 +529,15 @@ impl Batcher {
             (Err(join), RunMeta::Reload(done)) => {
                 let _ = done.send(Err(format!("weight reload panicked: {join}")));
             }
+            (Ok(Outcome::Synced(res)), RunMeta::Sync(done)) => {
+                if res.is_ok() {
+                    *self.shared.weight_label.lock().unwrap() = None;
+                }
+                let _ = done.send(res);
+            }
+            (Err(join), RunMeta::Sync(done)) => {
+                let _ = done.send(Err(format!("weight transfer panicked: {join}")));
+            }
             _ => unreachable!("outcome and run metadata always match"),
         }
     }
@@ -488,6 +597,9 @@ pub fn app(engine: Arc<dyn RolloutEngine>, cfg: ServeConfig) -> Router {
         max_batch: cfg.max_batch_size.max(1),
         queue: VecDeque::new(),
         reloads: VecDeque::new(),
+        receiver: cfg
+            .weight_transfer
+            .map(|k| spawn_receiver(k, shared.engine.clone(), cfg.weight_transfer_timeout)),
         running: None,
         paused: None,
         pause_waiters: Vec::new(),
@@ -507,6 +619,10 @@ pub fn app(engine: Arc<dyn RolloutEngine>, cfg: ServeConfig) -> Router {
         .route("/collective_rpc", post(collective_rpc))
         .route("/weight_info", get(weight_info))
         .route("/update_weight_version", post(update_weight_version))
+        .route("/init_weight_transfer_engine", post(init_weight_transfer_engine))
+        .route("/start_weight_update", post(start_weight_update))
+        .route("/update_weights", post(update_weights))
+        .route("/finish_weight_update", post(finish_weight_update))
         .with_state(shared)
 }
 
@@ -713,9 +829,28 @@ async fn collective_rpc(State(s): State<AppState>, body: Bytes) -> Response {
         Some(Value::String(m)) => m.as_str(),
         _ => return ApiError::bad_request("Missing 'method' in request body", None).into_response(),
     };
+    {
+        use vime_sync::protocol as p;
+        if [
+            p::EXT_INIT,
+            p::EXT_START,
+            p::EXT_UPDATE,
+            p::EXT_FINISH,
+            p::EXT_INFO,
+            p::RPC_CHECKSUMS,
+        ]
+        .contains(&method)
+        {
+            let method = method.to_string();
+            return extension_rpc(&s, &method, obj).await;
+        }
+    }
     if method != "reload_weights" {
         return ApiError::bad_request(
-            format!("vime-serve implements collective_rpc method \"reload_weights\" only, got {method:?}"),
+            format!(
+                "vime-serve implements the collective_rpc methods \"reload_weights\" and vime's weight-transfer \
+                 extension (vime_*) only, got {method:?}"
+            ),
             Some("method"),
         )
         .into_response();
@@ -744,6 +879,147 @@ async fn collective_rpc(State(s): State<AppState>, body: Bytes) -> Response {
             Json(json!({"results": [null]})).into_response()
         }
         Ok(Err(msg)) => ApiError::internal(format!("reload_weights from {path} failed: {msg}")).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Runs one weight-transfer call through the batcher (alone, between batches).
+async fn weight_op(s: &AppState, op: SyncOp) -> Result<Value, ApiError> {
+    let what = match &op {
+        SyncOp::Init(_) => "init_weight_transfer_engine",
+        SyncOp::Start => "start_weight_update",
+        SyncOp::Update(_) => "update_weights",
+        SyncOp::Finish => "finish_weight_update",
+    };
+    match s.send(|done| Msg::Weights { op, done }).await? {
+        Ok(v) => Ok(v),
+        Err(msg) => Err(ApiError::internal(format!("{what} failed: {msg}"))),
+    }
+}
+
+/// The JSON object body of a weight-transfer route (empty bodies read as `{}`).
+fn json_body(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::bad_request("Request body must be a JSON object", None)),
+        Err(e) => Err(ApiError::bad_request(format!("JSON decode error: {e}"), None)),
+    }
+}
+
+fn reply(r: Result<Value, ApiError>, message: &str) -> Response {
+    match r {
+        Ok(_) => Json(json!({ "message": message })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /init_weight_transfer_engine {"init_info": {...}}` (400 without `init_info`, as vLLM).
+async fn init_weight_transfer_engine(State(s): State<AppState>, body: Bytes) -> Response {
+    let m = match json_body(&body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let Some(info) = m.get("init_info").cloned() else {
+        return ApiError::bad_request("Missing 'init_info' in request body", Some("init_info")).into_response();
+    };
+    reply(weight_op(&s, SyncOp::Init(info)).await, "Weight transfer initialized")
+}
+
+async fn start_weight_update(State(s): State<AppState>) -> Response {
+    reply(weight_op(&s, SyncOp::Start).await, "Weight update started")
+}
+
+/// `POST /update_weights {"update_info": {...}}`: answers once the engine holds the bucket.
+async fn update_weights(State(s): State<AppState>, body: Bytes) -> Response {
+    let m = match json_body(&body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let Some(info) = m.get("update_info").cloned() else {
+        return ApiError::bad_request("Missing 'update_info' in request body", Some("update_info")).into_response();
+    };
+    reply(weight_op(&s, SyncOp::Update(info)).await, "Weights updated")
+}
+
+/// `POST /finish_weight_update [{"weight_version": str}]` (vLLM 0.33 takes the version here).
+async fn finish_weight_update(State(s): State<AppState>, body: Bytes) -> Response {
+    let m = match json_body(&body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let version = match m.get("weight_version") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(v)) => Some(v.clone()),
+        Some(other) => {
+            return ApiError::bad_request(
+                format!("weight_version must be a string, got {other}"),
+                Some("weight_version"),
+            )
+            .into_response()
+        }
+    };
+    let r = weight_op(&s, SyncOp::Finish).await;
+    if r.is_ok() {
+        if let Some(v) = version {
+            *s.weight_label.lock().unwrap() = Some(v);
+        }
+    }
+    reply(r, "Weight update finished")
+}
+
+/// vime's worker-extension methods over `/collective_rpc` (one JSON-string argument), so the
+/// sender's worker-extension protocol runs against vime-serve exactly as against vLLM.
+async fn extension_rpc(s: &AppState, method: &str, obj: &Map<String, Value>) -> Response {
+    use vime_sync::protocol as p;
+    let arg: Value = match obj.get("args").and_then(|a| a.get(0)) {
+        Some(Value::String(t)) => match serde_json::from_str(t) {
+            Ok(v) => v,
+            Err(e) => {
+                return ApiError::bad_request(format!("{method}: args[0] is not JSON: {e}"), Some("args"))
+                    .into_response()
+            }
+        },
+        None => json!({}),
+        Some(other) => {
+            return ApiError::bad_request(
+                format!("{method}: args[0] must be a JSON string, got {other}"),
+                Some("args"),
+            )
+            .into_response()
+        }
+    };
+    let r = match method {
+        m if m == p::EXT_INIT => weight_op(s, SyncOp::Init(arg)).await,
+        m if m == p::EXT_START => weight_op(s, SyncOp::Start).await,
+        m if m == p::EXT_UPDATE => weight_op(s, SyncOp::Update(arg)).await,
+        m if m == p::EXT_FINISH => {
+            let r = weight_op(s, SyncOp::Finish).await;
+            if r.is_ok() {
+                if let Some(v) = arg.get("weight_version").and_then(Value::as_str) {
+                    *s.weight_label.lock().unwrap() = Some(v.to_string());
+                }
+            }
+            r.map(|_| json!({"weight_version": s.version_label()}))
+        }
+        m if m == p::EXT_INFO => Ok(json!({"weight_version": s.version_label()})),
+        m if m == p::RPC_CHECKSUMS => {
+            let engine = s.engine.clone();
+            match tokio::task::spawn_blocking(move || engine.weight_checksums()).await {
+                Ok(Ok(sums)) => Ok(json!(sums
+                    .into_iter()
+                    .map(|(k, v)| (k, Value::String(format!("{v:016x}"))))
+                    .collect::<Map<String, Value>>())),
+                Ok(Err(e)) => Err(ApiError::internal(format!("{method}: {e:#}"))),
+                Err(e) => Err(ApiError::internal(format!("{method} panicked: {e}"))),
+            }
+        }
+        _ => unreachable!("dispatched on known names"),
+    };
+    match r {
+        Ok(v) => Json(json!({"results": [v]})).into_response(),
         Err(e) => e.into_response(),
     }
 }

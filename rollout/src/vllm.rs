@@ -1189,3 +1189,54 @@ impl VllmArgs {
         Ok((launcher, client))
     }
 }
+
+/// The weight sync's control calls: one attempt each, bounded by the sync's deadline, never
+/// retried (a second `/update_weights` would join a broadcast twice); errors carry the HTTP status
+/// and the engine's message.
+impl vime_sync::EngineControl for VllmClient {
+    fn urls(&self) -> Vec<String> {
+        self.engine_urls()
+    }
+
+    fn call(&self, engine: usize, call: &vime_sync::Call, deadline: Duration) -> Result<Value> {
+        let base = self
+            .inner
+            .engines
+            .get(engine)
+            .map(|e| e.url.clone())
+            .ok_or_else(|| anyhow!("no engine {engine} (the weight sync needs the engine URLs, --vllm-url)"))?;
+        let url = format!("{base}{}", call.path);
+        let method = reqwest::Method::from_bytes(call.method.as_bytes()).context("HTTP method")?;
+        let http = self.inner.http.clone();
+        let body = call.body.clone();
+        let what = format!("{} {}", call.method, call.path.split('?').next().unwrap_or(""));
+        self.block(async move {
+            let mut req = http.request(method, &url).timeout(deadline);
+            if let Some(b) = &body {
+                req = req.json(b);
+            }
+            let resp = req.send().await.map_err(|e| {
+                if e.is_timeout() {
+                    anyhow!("{what}: no answer within {deadline:?} (the engine hung?)")
+                } else {
+                    anyhow!("{what}: {e}")
+                }
+            })?;
+            let status = resp.status();
+            let text = resp.text().await.map_err(|e| {
+                if e.is_timeout() {
+                    anyhow!("{what}: no answer within {deadline:?} (the engine hung?)")
+                } else {
+                    anyhow!("{what}: reading the answer: {e}")
+                }
+            })?;
+            if !status.is_success() {
+                bail!("{what}: HTTP {status}: {}", text.chars().take(800).collect::<String>());
+            }
+            if text.trim().is_empty() {
+                return Ok(Value::Null);
+            }
+            serde_json::from_str(&text).map_err(|e| anyhow!("{what}: the answer is not JSON ({e}): {text:.200}"))
+        })
+    }
+}

@@ -88,6 +88,8 @@ fn mock_config() -> ServeConfig {
         tokenizer: None,
         batch_window: Duration::from_millis(5),
         max_batch_size: 256,
+        weight_transfer: None,
+        weight_transfer_timeout: Duration::from_secs(30),
     }
 }
 

@@ -14,8 +14,9 @@
 //!   - [`BucketRule::CloseBefore`] (vime's buffers, slime's `_update_bucket_weights` rule): a
 //!     tensor that would push the bucket past the buffer size starts the next bucket, so a bucket
 //!     never exceeds the buffer unless one tensor alone does (then it is a bucket of its own).
-//!   - [`BucketRule::CloseAfter`] (vLLM's packed NCCL mode, as the issue reads vLLM's source): a
-//!     bucket closes right after the tensor that brings it to or past the buffer size.
+//!   - [`BucketRule::CloseAfter`] (vLLM's packed NCCL mode, `distributed/weight_transfer/
+//!     packed_tensor.py` in 0.26 and 0.33): a bucket closes right after the tensor that brings it
+//!     strictly past the buffer size.
 //! - The transfer dtype is one for all tensors (`bfloat16` for vLLM); the casts happen before the
 //!   engines pause, so the plan is computed once per run, not per sync.
 use anyhow::{bail, Result};
@@ -30,7 +31,7 @@ pub const DEFAULT_BUFFER_BYTES: usize = 512 << 20;
 pub enum BucketRule {
     /// Close a bucket before the tensor that would push it past the buffer size.
     CloseBefore,
-    /// Close a bucket right after the tensor that brings it to or past the buffer size.
+    /// Close a bucket right after the tensor that brings it strictly past the buffer size.
     CloseAfter,
 }
 
@@ -137,7 +138,13 @@ impl SyncPlan {
                 end: used + nbytes,
             });
             used += nbytes;
-            if used >= buffer_bytes {
+            // CloseBefore: a full bucket closes; CloseAfter: vLLM's `>` (a bucket that lands exactly
+            // on the size stays open for the next tensor, `packed_tensor.py`).
+            let full = match rule {
+                BucketRule::CloseBefore => used >= buffer_bytes,
+                BucketRule::CloseAfter => used > buffer_bytes,
+            };
+            if full {
                 close(&mut cur, &mut used, &mut buckets);
             }
         }

@@ -55,8 +55,8 @@ fn qwen3_4b_in_512_mib_buckets() {
     let want: Vec<String> = param_specs(&cfg).into_iter().map(|s| s.name).collect();
     assert_eq!(all, want);
 
-    // vLLM's packed rule closes AFTER the tensor that reaches the size: bucket 1 also takes up_proj
-    // (555,777,536 >= 536,870,912).
+    // vLLM's packed rule closes AFTER the tensor that passes the size: bucket 1 also takes up_proj
+    // (555,777,536 > 536,870,912).
     let packed = SyncPlan::new(&table(&cfg), DType::BF16, DEFAULT_BUFFER_BYTES, BucketRule::CloseAfter).unwrap();
     assert_eq!(names(&packed, 0), ["model.embed_tokens.weight"]);
     assert_eq!(names(&packed, 1).last().unwrap(), &format!("{L2}.mlp.up_proj.weight"));
@@ -181,4 +181,39 @@ fn a_zero_buffer_is_refused() {
     let cfg = vime_qwen3::checkpoint::load_config(fixture_dir()).unwrap();
     let e = SyncPlan::new(&table(&cfg), DType::BF16, 0, BucketRule::CloseBefore).unwrap_err();
     assert!(e.to_string().contains("--update-weight-buffer-size"), "{e}");
+}
+
+/// The boundary cases of both rules on hand-sized tensors (bf16, so 2 bytes per element): a
+/// bucket of exactly the buffer size closes under CloseBefore but stays open under vLLM's strict
+/// `>` rule; one tensor larger than the buffer is a bucket of its own.
+#[test]
+fn exact_fit_and_oversized_tensors() {
+    use vime_dist::layout::Placement;
+    let sizes = [4usize, 4, 2, 20, 1, 3];
+    let entries = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| LayoutEntry::new(format!("t{i}"), &[*n], DType::BF16, false, Placement::Replicated))
+        .collect();
+    let t = LayoutTable::new(entries, 0, 1).unwrap();
+    let groups = |p: &SyncPlan| -> Vec<Vec<String>> {
+        p.buckets
+            .iter()
+            .map(|b| b.tensors.iter().map(|s| s.name.clone()).collect())
+            .collect()
+    };
+    // Buffer 16 bytes = 8 elements.
+    let before = SyncPlan::new(&t, DType::BF16, 16, BucketRule::CloseBefore).unwrap();
+    assert_eq!(
+        groups(&before),
+        [vec!["t0", "t1"], vec!["t2"], vec!["t3"], vec!["t4", "t5"]]
+    );
+    assert_eq!(
+        before.buckets.iter().map(|b| b.nbytes).collect::<Vec<_>>(),
+        [16, 4, 40, 8]
+    );
+    let after = SyncPlan::new(&t, DType::BF16, 16, BucketRule::CloseAfter).unwrap();
+    assert_eq!(groups(&after), [vec!["t0", "t1", "t2"], vec!["t3"], vec!["t4", "t5"]]);
+    assert_eq!(after.buckets[0].tensors[2].begin, 16);
+    assert_eq!(after.buckets.iter().map(|b| b.nbytes).collect::<Vec<_>>(), [20, 40, 8]);
 }

@@ -67,9 +67,34 @@ struct Args {
     /// vLLM compatibility: accepted, no effect (sleep endpoints are always on).
     #[arg(long)]
     enable_sleep_mode: bool,
-    /// vLLM compatibility: accepted, no effect.
+    /// vLLM compatibility: accepted, no effect (vime-serve answers vime's worker-extension
+    /// methods over /collective_rpc itself).
     #[arg(long)]
     worker_extension_cls: Option<String>,
+    /// Streamed weight sync, as vLLM's flag: '{"backend": "ipc"}' (trainer on the same GPU),
+    /// '{"backend": "nccl"}' (other GPUs) or '{"backend": "cpu"}' (CPU engines). Without it the
+    /// weight-transfer routes are refused and weights update from disk only.
+    #[arg(long)]
+    weight_transfer_config: Option<String>,
+    /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
+    #[arg(long, default_value_t = 300.0)]
+    weight_transfer_timeout: f64,
+}
+
+/// `--weight-transfer-config` JSON: `{"backend": "ipc" | "nccl" | "cpu"}` (vLLM's only field).
+fn parse_weight_transfer(s: &str) -> Result<vime_sync::RecvKind> {
+    let v: serde_json::Value =
+        serde_json::from_str(s).with_context(|| format!("--weight-transfer-config {s:?} is not JSON"))?;
+    let Some(obj) = v.as_object() else {
+        bail!("--weight-transfer-config must be a JSON object like '{{\"backend\": \"ipc\"}}', got {s}");
+    };
+    for k in obj.keys() {
+        if k != "backend" {
+            bail!("--weight-transfer-config: unknown key {k:?} (the only one is \"backend\")");
+        }
+    }
+    let b = obj.get("backend").and_then(|b| b.as_str()).unwrap_or("nccl");
+    vime_sync::RecvKind::parse(b).context("--weight-transfer-config")
 }
 
 fn parse_device(s: &str) -> Result<Device> {
@@ -122,8 +147,16 @@ async fn main() -> Result<()> {
     }
     if let Some(cls) = &args.worker_extension_cls {
         eprintln!(
-            "vime-serve: --worker-extension-cls {cls} ignored (weights update through /collective_rpc reload_weights)"
+            "vime-serve: --worker-extension-cls {cls} ignored (vime-serve serves vime's extension methods itself)"
         );
+    }
+    let weight_transfer = args
+        .weight_transfer_config
+        .as_deref()
+        .map(parse_weight_transfer)
+        .transpose()?;
+    if !(args.weight_transfer_timeout > 0.0 && args.weight_transfer_timeout.is_finite()) {
+        bail!("--weight-transfer-timeout must be a positive number of seconds");
     }
     let cfg = Qwen3Config::from_file(&dir.join("config.json"))?;
     let device = parse_device(&args.device)?;
@@ -131,6 +164,8 @@ async fn main() -> Result<()> {
     let mut serve_cfg = ServeConfig::from_hf_dir(&dir, args.served_model_name.clone())?;
     serve_cfg.batch_window = Duration::from_millis(args.batch_window_ms);
     serve_cfg.max_batch_size = args.max_batch_size;
+    serve_cfg.weight_transfer = weight_transfer;
+    serve_cfg.weight_transfer_timeout = Duration::from_secs_f64(args.weight_transfer_timeout);
     let opts = EngineOptions {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,

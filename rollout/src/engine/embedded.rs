@@ -376,6 +376,94 @@ impl RolloutEngine for EmbeddedEngine {
     fn weight_version(&self) -> u64 {
         self.weight_version.load(Ordering::SeqCst)
     }
+
+    fn weight_sink(&self) -> Option<&dyn vime_sync::WeightSink> {
+        Some(self)
+    }
+
+    fn weight_checksums(&self) -> Result<BTreeMap<String, u64>> {
+        let model = self.read()?;
+        model
+            .named_parameters()
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), vime_sync::pack::checksum(v.as_tensor())?)))
+            .collect()
+    }
+}
+
+/// A streamed sync writes a bucket at a time: names and shapes are checked against the model
+/// before anything is written, then the parameters are set under the write lock. The weight
+/// version is bumped by [`EmbeddedEngine::finish_weight_update`], once per sync.
+impl vime_sync::WeightSink for EmbeddedEngine {
+    fn device(&self) -> Device {
+        self.read().map(|m| m.device().clone()).unwrap_or(Device::Cpu)
+    }
+
+    fn load(&self, tensors: Vec<(String, Tensor)>) -> Result<()> {
+        let model = self
+            .model
+            .write()
+            .map_err(|_| anyhow!("the engine's model lock is poisoned"))?;
+        let (dtype, device) = (model.dtype(), model.device().clone());
+        let vars: BTreeMap<&str, &candle_core::Var> =
+            model.named_parameters().iter().map(|(n, v)| (n.as_str(), v)).collect();
+        let mut ready = Vec::with_capacity(tensors.len());
+        for (name, t) in &tensors {
+            let var = vars
+                .get(name.as_str())
+                .ok_or_else(|| anyhow!("unexpected tensor {name} {:?}: not a parameter of this model", t.dims()))?;
+            if var.dims() != t.dims() {
+                bail!(
+                    "tensor {name}: the engine's parameter has shape {:?}, received {:?}",
+                    var.dims(),
+                    t.dims()
+                );
+            }
+            let t = if t.dtype() == dtype && t.device().same_device(&device) {
+                t.copy()?
+            } else {
+                t.to_device(&device)?.to_dtype(dtype)?
+            };
+            ready.push((*var, t.contiguous()?, name));
+        }
+        for (var, t, name) in ready {
+            var.set(&t).with_context(|| format!("setting {name} {:?}", t.dims()))?;
+        }
+        Ok(())
+    }
+
+    fn with_targets(&self, names: &[String], dtype: DType, f: &mut dyn FnMut(&[Tensor]) -> Result<()>) -> Result<bool> {
+        let model = self
+            .model
+            .write()
+            .map_err(|_| anyhow!("the engine's model lock is poisoned"))?;
+        if model.dtype() != dtype {
+            return Ok(false);
+        }
+        let vars: BTreeMap<&str, &candle_core::Var> =
+            model.named_parameters().iter().map(|(n, v)| (n.as_str(), v)).collect();
+        let targets = names
+            .iter()
+            .map(|n| {
+                vars.get(n.as_str())
+                    .map(|v| v.as_tensor().clone())
+                    .ok_or_else(|| anyhow!("unexpected tensor {n}: not a parameter of this model"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        f(&targets)?;
+        Ok(true)
+    }
+
+    fn finished(&self) {
+        self.finish_weight_update();
+    }
+}
+
+impl EmbeddedEngine {
+    /// Ends a streamed sync: one new weight version.
+    pub fn finish_weight_update(&self) -> u64 {
+        self.weight_version.fetch_add(1, Ordering::SeqCst) + 1
+    }
 }
 
 /// Samples one token from `logits` (`[vocab]`, the raw model output) as vLLM does with

@@ -78,4 +78,14 @@ pub trait RolloutEngine: Send + Sync {
     fn update_weights_from_dir(&self, dir: &Path) -> Result<()>;
     /// Monotone counter bumped by every weight update.
     fn weight_version(&self) -> u64;
+    /// Where a streamed weight sync writes (vime-serve's `/update_weights`); `None` for engines
+    /// that only reload from disk.
+    fn weight_sink(&self) -> Option<&dyn vime_sync::WeightSink> {
+        None
+    }
+    /// Per-tensor checksums of the weights (`vime_sync::pack::checksum`), by HF name: what the
+    /// sync benchmarks compare with the trainer's.
+    fn weight_checksums(&self) -> Result<std::collections::BTreeMap<String, u64>> {
+        anyhow::bail!("this engine does not report weight checksums")
+    }
 }
