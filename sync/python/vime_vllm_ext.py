@@ -1,35 +1,37 @@
-"""vLLM worker extension: vime's torch-free Rust trainer pushes weights into a running server.
+"""vLLM worker extension: vime's torch-free Rust trainer pushes weights into a running vLLM server.
 
-Load with ``vllm serve ... --worker-extension-cls vime_vllm_ext.VimeWorkerExtension`` (module on
-PYTHONPATH; ``VLLM_SERVER_DEV_MODE=1`` for ``/collective_rpc``; no ``--weight-transfer-config`` or
-``VLLM_ALLOW_INSECURE_SERIALIZATION`` needed). vLLM appends this class to the GPU Worker's bases
-(v1/worker/worker_base.py:261-286), so ``self`` is the Worker. Each method is called through
-``POST /collective_rpc {"method": NAME, "args": [ONE_JSON_STRING], "kwargs": {}}`` with one JSON
-object text, and returns a small dict (one per worker in ``results``).
+Load: ``vllm serve ... --worker-extension-cls vime_vllm_ext.VimeWorkerExtension`` (module on
+PYTHONPATH, ``VLLM_SERVER_DEV_MODE=1``; no ``--weight-transfer-config``, no pickles). vLLM appends
+this class to the GPU Worker's bases (v1/worker/worker_base.py:261-286), so ``self`` is the Worker.
+Each method is driven by ``POST /collective_rpc {"method": NAME, "args": [ONE_JSON_STRING],
+"kwargs": {}}``, takes one JSON object text and returns a small dict (one per worker in ``results``).
 
 - ``vime_init_weight_transfer``: ``{"backend": "ipc", "device_uuid": "<32 hex>"}`` (must be this
-  worker's GPU; drops cached IPC mappings), or ``{"backend": "nccl", "nccl_unique_id_b64": <b64 of
-  the 128-byte ncclUniqueId>, "rank_offset": int, "world_size": int}``: joins as rank
-  ``rank_offset + dp_index*TP*PP + parallel_config.rank``. The trainer is rank 0. It enters
-  ncclCommInitRank at the same time, then both sides run a 1-element fp32 SUM all-reduce warm-up.
+  worker's GPU; drops cached IPC mappings) or ``{"backend": "nccl", "nccl_unique_id_b64": <b64 of
+  128 bytes>, "rank_offset": int, "world_size": int}`` (rank = rank_offset + dp_index*TP*PP +
+  parallel_config.rank; the trainer is rank 0 and enters ncclCommInitRank concurrently, then both
+  sides run a 1-element fp32 SUM all-reduce warm-up).
 - ``vime_start_weight_update``: ``{}`` -> ``initialize_layerwise_reload(model)``.
 - ``vime_update_weights``: ``{"names", "dtype_names", "shapes", "packed": true, "nbytes",
-  "ipc_handle_b64" (IPC only)}``. A bucket holds the tensors back to back in list order
-  (safetensors layout, no padding). IPC: the sender buffer's 64-byte cudaIpcMemHandle, opened once
-  and cached by its b64 text. NCCL: one uint8 ncclBroadcast of ``nbytes`` from root 0. Tensors are
-  copied out (the sender reuses its buffer after the call) and go to ``model.load_weights``.
+  "ipc_handle_b64" (IPC only)}``. A bucket holds the tensors back to back in list order (safetensors
+  layout, no padding). IPC: the sender buffer's 64-byte cudaIpcMemHandle, opened once, cached by its
+  b64 text. NCCL: one uint8 ncclBroadcast of nbytes from root 0. Tensors are copied out (the sender
+  reuses its buffer after the call) and passed to ``model.load_weights``.
 - ``vime_finish_weight_update``: ``{"weight_version": "<n>"}`` -> ``finalize_layerwise_reload``;
-  keeps the version and returns ``{"weight_version": v}``.
-- ``vime_weight_info``: ``{}`` -> ``{"weight_version": <last finished version or null>}``.
+  keeps and returns ``{"weight_version": v}``. ``vime_weight_info``: ``{}`` -> the same dict (null
+  before the first finish).
 
-Session rules are vLLM's (gpu_worker.py:1313-1376). Starting twice, or updating or finishing without
-a start, is an error. A failed update ends the session; layers may then be partial, so start again
-and resend everything. Send every weight of any layer you touch (layerwise reload).
+Session rules are vLLM's (gpu_worker.py:1313-1376): start twice, or update/finish without start,
+is an error; a failed update ends the session (layers may be partial: start again, resend all).
+Send every weight of any layer you touch (layerwise reload).
 
-Targets vLLM 0.24-0.26; checked against the 0.24.0 and 0.26.0 wheels (line numbers are 0.26.0's).
-0.33.0 still has every API used here (same rank formula, nccl_common.py:239-244). 0.33 also accepts
-``nccl_unique_id_b64`` natively, so there only the IPC path needs this extension.
+Targets vLLM 0.24-0.26, checked against the 0.24.0 and 0.26.0 wheels (line numbers: 0.26.0).
+0.33.0 keeps every API used here (same rank formula, nccl_common.py:239-244) and also accepts
+``nccl_unique_id_b64`` natively, so on 0.33 only the IPC path needs this extension.
+NOT YET RUN: written without torch or a GPU (py_compile only); "NOT VERIFIED" marks what no source
+read confirmed.
 """
+
 import base64
 import ctypes
 import json
@@ -47,12 +49,10 @@ def _parse(method, arg, allowed, required=()):
     d = json.loads(arg) if isinstance(arg, (str, bytes)) else arg
     if not isinstance(d, dict):
         raise ValueError(f"{method}: the argument must be a JSON object, got {type(d).__name__}")
-    for k in d:
-        if k not in allowed:
-            raise ValueError(f"{method}: unknown key {k!r} (allowed: {sorted(allowed)})")
-    for k in required:
-        if k not in d:
-            raise ValueError(f"{method}: missing key {k!r}")
+    for k in [k for k in d if k not in allowed]:
+        raise ValueError(f"{method}: unknown key {k!r} (allowed: {sorted(allowed)})")
+    for k in [k for k in required if k not in d]:
+        raise ValueError(f"{method}: missing key {k!r}")
     return d
 
 
@@ -63,9 +63,8 @@ def _norm_uuid(u):
 
 def _device_uuid_hex(device):
     uuid = torch.cuda.get_device_properties(device).uuid
-    # NOT VERIFIED against torch's source (from memory): torch's _CUuuid has .bytes (16 ints) and
-    # str() "xxxxxxxx-xxxx-...". vLLM compares str(props.uuid) (ipc_engine.py:259-260). Prefer the
-    # bytes and fall back to the normalised string.
+    # NOT VERIFIED in torch's source (from memory): _CUuuid has .bytes (16 ints) and str() "8-4-4-4-12"
+    # hex; vLLM keys on str(props.uuid) (ipc_engine.py:259-260). Try the bytes, then the string.
     try:
         return bytes(bytearray(int(b) & 0xFF for b in uuid.bytes)).hex()
     except (AttributeError, TypeError, ValueError):
@@ -73,8 +72,8 @@ def _device_uuid_hex(device):
 
 
 class _CudaArray:
-    """A device pointer seen as a 1-D uint8 array. It uses ``__cuda_array_interface__`` v3 with no
-    stream, because the sender synchronised its stream before it sent the handle."""
+    """A device pointer as a 1-D uint8 ``__cuda_array_interface__`` (v3, no stream: the sender
+    synchronised before sending the handle)."""
 
     def __init__(self, ptr, nbytes):
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
@@ -97,8 +96,7 @@ class VimeWorkerExtension:
             if want != mine:
                 raise ValueError(f"{m}: key 'device_uuid' {d['device_uuid']!r} is not this worker's GPU "
                                  f"({self.device}, uuid {mine}); CUDA IPC needs the same GPU")
-            self._vime_close_ipc()
-            self._vime_close_nccl()
+            self._vime_reset()
             from vllm.distributed.device_communicators.cuda_wrapper import CudaRTLibrary
             self._vime_cudart, self._vime_backend = CudaRTLibrary(), "ipc"  # cuda_wrapper.py:105
             return {"backend": "ipc", "device_uuid": mine}
@@ -116,9 +114,7 @@ class VimeWorkerExtension:
         if not 0 < rank < world_size:
             raise ValueError(f"{m}: rank {rank} (key 'rank_offset' {offset}) is out of range for key "
                              f"'world_size' {world_size}; rank 0 is the trainer")
-        self._vime_close_nccl()
-        self._vime_close_ipc()
-        self._vime_backend = None
+        self._vime_reset()
         nccl = NCCLLibrary()  # pynccl_wrapper.py:147
         with torch.cuda.device(self.device):
             comm = nccl.ncclCommInitRank(world_size, nccl.unique_id_from_bytes(uid), rank)  # :418, :409
@@ -128,15 +124,14 @@ class VimeWorkerExtension:
             nccl.ncclAllReduce(buffer_type(data.data_ptr()), buffer_type(out.data_ptr()), 1,  # :429
                                ncclDataTypeEnum.from_torch(torch.float32), ncclRedOpTypeEnum.ncclSum,
                                comm, cudaStream_t(torch.cuda.current_stream().cuda_stream))
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         self._vime_nccl, self._vime_comm, self._vime_backend = nccl, comm, "nccl"
         return {"backend": "nccl", "rank": rank, "world_size": world_size}
 
     def vime_start_weight_update(self, arg):
         _parse("vime_start_weight_update", arg, ())
         if self._vime_model is not None:
-            raise RuntimeError("vime_start_weight_update: a weight update is already active; "
-                               "call vime_finish_weight_update first")
+            raise RuntimeError("vime_start_weight_update: an update is already active (finish it first)")
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
         model = self.model_runner.get_model()  # gpu_model_runner.py:3288 (unwraps CUDA graphs)
         # As the 0.26 engines (nccl_engine.py:137-143, ipc_engine.py:209-215); 0.24's Worker wraps
@@ -161,7 +156,7 @@ class VimeWorkerExtension:
                 except Exception as e:
                     raise RuntimeError(f"{m}: load_weights failed for the bucket of {len(weights)} tensors "
                                        f"{weights[0][0]!r} .. {weights[-1][0]!r}: {e}") from e
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         except BaseException:
             self._vime_model = None  # as vLLM, a failed update ends the session (gpu_worker.py:1358-1363)
             raise
@@ -171,13 +166,12 @@ class VimeWorkerExtension:
         d = _parse("vime_finish_weight_update", arg, ("weight_version",))
         model = self._vime_model
         if model is None:
-            raise RuntimeError("vime_finish_weight_update: no weight update is active "
-                               "(call vime_start_weight_update first)")
+            raise RuntimeError("vime_finish_weight_update: no update is active (call vime_start_weight_update)")
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         self._vime_model = None
         with torch.device(self.device):
             finalize_layerwise_reload(model, self.model_config)  # layerwise.py:289, nccl_engine.py:151
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
         v = d.get("weight_version")
         self._vime_weight_version = None if v is None else str(v)
         return {"weight_version": self._vime_weight_version}
@@ -198,7 +192,7 @@ class VimeWorkerExtension:
                              f"({len(names)}, {len(dtype_names)}, {len(shapes)})")
         specs, off = [], 0
         for name, dn, shape in zip(names, dtype_names, shapes):
-            dtype = getattr(torch, str(dn), None)  # as nccl_engine.py:176 (getattr(torch, dtype_name))
+            dtype = getattr(torch, str(dn), None)  # as nccl_engine.py:177 (getattr(torch, dtype_name))
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"{m}: tensor {name!r}: unknown dtype {dn!r}")
             if not isinstance(shape, list) or any(not isinstance(s, int) or s < 0 for s in shape):
@@ -213,16 +207,22 @@ class VimeWorkerExtension:
                              f"take {off} bytes")
         if not specs:
             return []
-        if self._vime_backend == "ipc":
-            if "ipc_handle_b64" not in d:
-                raise ValueError(f"{m}: missing key 'ipc_handle_b64' (the backend is ipc)")
-            buf, copy = self._vime_ipc_buffer(d["ipc_handle_b64"], nbytes), True  # the sender reuses it
-        elif self._vime_backend == "nccl":
-            if "ipc_handle_b64" in d:
-                raise ValueError(f"{m}: key 'ipc_handle_b64' given but the backend is nccl")
-            buf, copy = self._vime_nccl_receive(nbytes), False  # a fresh buffer: views are safe
-        else:
+        if self._vime_backend is None:
             raise RuntimeError(f"{m}: call vime_init_weight_transfer first")
+        if ("ipc_handle_b64" in d) != (self._vime_backend == "ipc"):
+            raise ValueError(f"{m}: key 'ipc_handle_b64' is required for, and only for, the ipc backend "
+                             f"(this one is {self._vime_backend})")
+        if self._vime_backend == "ipc":
+            buf, copy = self._vime_ipc_buffer(d["ipc_handle_b64"], nbytes), True  # the sender reuses it
+        else:  # nccl: a fresh buffer, so views of it are safe
+            from vllm.distributed.device_communicators.pynccl_wrapper import (
+                buffer_type, cudaStream_t, ncclDataTypeEnum)
+            buf, copy = torch.empty(nbytes, dtype=torch.uint8, device=self.device), False
+            # A non-root rank passes a null sendbuff (pynccl.py:385-391); current stream as
+            # nccl_engine.py:196-198; ncclBroadcast at pynccl_wrapper.py:538.
+            self._vime_nccl.ncclBroadcast(buffer_type(), buffer_type(buf.data_ptr()), nbytes,
+                                          ncclDataTypeEnum.ncclUint8, 0, self._vime_comm,
+                                          cudaStream_t(torch.cuda.current_stream().cuda_stream))
         out = []
         for name, dtype, shape, off, size, esize in specs:
             b = buf[off:off + size]
@@ -233,7 +233,7 @@ class VimeWorkerExtension:
             try:
                 out.append((name, b.view(dtype).view(shape)))
             except RuntimeError as e:
-                raise ValueError(f"{m}: tensor {name!r}: cannot view {size} bytes as {dtype} {shape}: {e}") from e
+                raise ValueError(f"{m}: tensor {name!r}: cannot view as {dtype} {shape}: {e}") from e
         return out
 
     def _vime_ipc_buffer(self, handle_b64, nbytes):
@@ -246,9 +246,10 @@ class VimeWorkerExtension:
                 raise ValueError(f"vime_update_weights: key 'ipc_handle_b64' decodes to {len(raw)} bytes, "
                                  f"not {_IPC_HANDLE_BYTES}")
             from vllm.distributed.device_communicators.cuda_wrapper import cudaIpcMemHandle_t
-            # vLLM's struct is 128 bytes (cuda_wrapper.py:30-31), CUDA's 64. It goes by value on the
-            # stack (x86-64 SysV MEMORY class, the only stack argument), so the callee reads the first
-            # 64 bytes and ignores the zero tail; vLLM's own IPC test does the same (all_reduce_utils.py:199).
+            # NOT VERIFIED (ABI reasoning, not run): vLLM's struct is 128 bytes (cuda_wrapper.py:30-31),
+            # CUDA's is 64. It is passed by value on the stack (x86-64 SysV MEMORY class, the only stack
+            # argument), so the callee reads the first 64 bytes and ignores the zero tail. vLLM's own
+            # IPC test passes the same struct (all_reduce_utils.py:199).
             h = cudaIpcMemHandle_t()
             ctypes.memmove(ctypes.addressof(h.internal), raw, _IPC_HANDLE_BYTES)
             with torch.cuda.device(self.device):
@@ -261,31 +262,17 @@ class VimeWorkerExtension:
         # CudaRTLibrary.cudaMemcpy (cuda_wrapper.py:165) into torch.empty(nbytes, dtype=torch.uint8).
         return torch.as_tensor(_CudaArray(ptr, nbytes), device=self.device)
 
-    def _vime_nccl_receive(self, nbytes):
-        from vllm.distributed.device_communicators.pynccl_wrapper import (
-            buffer_type, cudaStream_t, ncclDataTypeEnum)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        # A non-root rank passes a null sendbuff (pynccl.py:385-400); current stream as
-        # nccl_engine.py:196-198; ncclBroadcast at pynccl_wrapper.py:538.
-        self._vime_nccl.ncclBroadcast(buffer_type(), buffer_type(buf.data_ptr()), nbytes,
-                                      ncclDataTypeEnum.ncclUint8, 0, self._vime_comm,
-                                      cudaStream_t(torch.cuda.current_stream().cuda_stream))
-        return buf
-
-    def _vime_close_ipc(self):
-        ptrs, self._vime_ipc_ptrs = self._vime_ipc_ptrs, {}
-        if not ptrs or self._vime_cudart is None:
-            return
-        torch.cuda.synchronize()
-        # CudaRTLibrary does not wrap cudaIpcCloseMemHandle. Call it in the loaded libcudart (its
+    def _vime_reset(self):
+        """Forget the previous init: close the IPC mappings, abort the NCCL communicator."""
+        ptrs, self._vime_ipc_ptrs, self._vime_backend = self._vime_ipc_ptrs, {}, None
+        torch.cuda.synchronize(self.device)
+        # CudaRTLibrary does not wrap cudaIpcCloseMemHandle: call it in the loaded libcudart (its
         # .lib, cuda_wrapper.py:120), best effort, ignoring the return code.
-        close = getattr(self._vime_cudart.lib, "cudaIpcCloseMemHandle", None)
-        if close is not None:
+        close = getattr(getattr(self._vime_cudart, "lib", None), "cudaIpcCloseMemHandle", None)
+        if ptrs and close is not None:
             with torch.cuda.device(self.device):
                 for p in ptrs.values():
                     close(ctypes.c_void_p(p))
-
-    def _vime_close_nccl(self):
         nccl, comm = self._vime_nccl, self._vime_comm
         self._vime_nccl = self._vime_comm = None
         if nccl is not None and comm is not None:

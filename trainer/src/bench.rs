@@ -100,7 +100,7 @@ fn preset(name: &str) -> Option<(usize, usize, usize, usize, usize, bool)> {
     }
 }
 
-fn config_of(model: &str) -> Result<Qwen3Config> {
+pub fn config_of(model: &str) -> Result<Qwen3Config> {
     if let Some((h, i, l, a, kv, tied)) = preset(model) {
         let json = serde_json::json!({
             "model_type": "qwen3", "vocab_size": 151936, "hidden_size": h, "intermediate_size": i,
@@ -181,7 +181,7 @@ impl MemSampler {
     }
 }
 
-fn random_model(cfg: Qwen3Config, dtype: DType, device: &Device) -> Result<Qwen3> {
+pub fn random_model(cfg: Qwen3Config, dtype: DType, device: &Device) -> Result<Qwen3> {
     if device.is_cuda() {
         device.set_seed(1234)?;
     }

@@ -76,6 +76,10 @@ struct Args {
     /// weight-transfer routes are refused and weights update from disk only.
     #[arg(long)]
     weight_transfer_config: Option<String>,
+    /// vLLM's `--load-format`: auto (the checkpoint's safetensors) or dummy (random weights from
+    /// config.json alone, std 0.02, for benchmarks whose weights arrive by sync).
+    #[arg(long, default_value = "auto")]
+    load_format: String,
     /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
     #[arg(long, default_value_t = 300.0)]
     weight_transfer_timeout: f64,
@@ -126,8 +130,14 @@ fn build_engine(
     dtype: DType,
     device: &Device,
     opts: EngineOptions,
+    dummy: bool,
 ) -> Result<Arc<dyn RolloutEngine>> {
-    let model = Qwen3::load_hf(dir, dtype, device).with_context(|| format!("loading {}", dir.display()))?;
+    let model = if dummy {
+        let cfg = Qwen3Config::from_file(&dir.join("config.json"))?;
+        Qwen3::init_random(cfg, 0.02, 0, dtype, device)?
+    } else {
+        Qwen3::load_hf(dir, dtype, device).with_context(|| format!("loading {}", dir.display()))?
+    };
     Ok(Arc::new(EmbeddedEngine::new(model, opts)?))
 }
 
@@ -172,9 +182,14 @@ async fn main() -> Result<()> {
         eos_token_ids: Vec::new(),
         seed: args.seed,
     };
+    let dummy = match args.load_format.as_str() {
+        "auto" | "safetensors" => false,
+        "dummy" => true,
+        other => bail!("--load-format must be auto, safetensors or dummy, got {other:?}"),
+    };
     let engine = {
         let (dir, device) = (dir.clone(), device.clone());
-        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts)).await??
+        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, dummy)).await??
     };
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -51,6 +51,9 @@ enum Cmd {
     /// Times the training step (forward + backward + AdamW) of a random-init Qwen3 release shape
     /// on synthetic tokens: tokens/s, MFU, peak memory (see vime_trainer::bench).
     BenchStep(vime_trainer::bench::BenchArgs),
+    /// Times the streamed weight sync of a random-init Qwen3 release shape to a running engine and
+    /// checks the engine's weights bit for bit afterwards (see vime_trainer::bench_sync).
+    BenchSync(vime_trainer::bench_sync::BenchSyncArgs),
     /// Writes a synthetic task (prompts, eval set, tokenizer, a tiny random Qwen3) for the demo.
     MakeTask(vime_trainer::demo::MakeTaskArgs),
     /// Log-probs, entropies and the gradient of a fixed objective on one packed batch (parity checks).
@@ -198,6 +201,10 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Some(Cmd::BenchStep(args)) => {
             vime_trainer::bench::run(&args)?;
+            Ok(0)
+        }
+        Some(Cmd::BenchSync(args)) => {
+            vime_trainer::bench_sync::run(&args)?;
             Ok(0)
         }
         Some(Cmd::MakeTask(args)) => {

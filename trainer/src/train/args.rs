@@ -94,6 +94,8 @@ pub struct TrainArgs {
     pub rollout_engine: String,
     #[command(flatten)]
     pub vllm: VllmArgs,
+    #[command(flatten)]
+    pub sync: SyncArgs,
 
     // ---- reward --------------------------------------------------------------------------
     /// deepscaler, math, dapo, f1, exact_match, remote_rm, or boxed_<type>.
@@ -164,6 +166,37 @@ pub struct TrainArgs {
     /// vime, for tests: stop (as if killed) after this many rollouts of this process.
     #[arg(long, hide = true)]
     pub exit_after_rollouts: Option<u64>,
+}
+
+/// How new weights reach the rollout engines after each step (slime's flag names where slime has
+/// them; see `crate::train::engine` and `vime_sync`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SyncArgs {
+    /// slime: bytes per weight-sync bucket (default 512 MiB).
+    #[arg(long, default_value_t = vime_sync::DEFAULT_BUFFER_BYTES)]
+    pub update_weight_buffer_size: usize,
+    /// auto (ipc with --colocate, nccl for a policy on a GPU, disk on the CPU), ipc, nccl, cpu
+    /// (CPU broadcast, for engines on the CPU) or disk (an HF folder the engines reload).
+    #[arg(long, default_value = "auto")]
+    pub update_weight_transport: String,
+    /// vime: native (vime-serve, vLLM 0.33's weight-transfer routes) or worker-extension (vLLM
+    /// 0.24-0.26 started with --worker-extension-cls vime_vllm_ext.VimeWorkerExtension, the file in
+    /// sync/python/).
+    #[arg(long, default_value = "native")]
+    pub update_weight_protocol: String,
+    /// vime: seconds any weight-sync call or transfer may take before the sync fails naming the
+    /// engine.
+    #[arg(long, default_value_t = 300.0)]
+    pub update_weight_timeout: f64,
+    /// vime: the address the engines reach this trainer on for the sync rendezvous (cpu).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub update_weight_master_address: String,
+    /// slime: the engines share the trainer's GPU(s) and sleep while it trains.
+    #[arg(long)]
+    pub colocate: bool,
+    /// slime: sync the weights every N rollouts (and always before an evaluation and at the end).
+    #[arg(long, default_value_t = 1)]
+    pub update_weights_interval: u64,
 }
 
 /// How the run is spread over processes (Megatron's flag names; see `crate::train::parallel`).
@@ -380,6 +413,26 @@ impl TrainArgs {
         match self.recompute_granularity.as_deref() {
             None | Some("full") => {}
             Some(other) => bail!("--recompute-granularity {other:?} is not supported (use full, or leave it out)"),
+        }
+        ensure!(
+            self.sync.update_weight_buffer_size > 0,
+            "--update-weight-buffer-size must be positive"
+        );
+        ensure!(
+            self.sync.update_weights_interval > 0,
+            "--update-weights-interval must be at least 1"
+        );
+        ensure!(
+            self.sync.update_weight_timeout > 0.0 && self.sync.update_weight_timeout.is_finite(),
+            "--update-weight-timeout must be a positive number of seconds"
+        );
+        crate::train::engine::resolve_transport(&self.sync, false)?;
+        self.sync.update_weight_protocol.parse::<vime_sync::Protocol>()?;
+        if self.sync.colocate {
+            ensure!(
+                self.rollout_engine == "vllm",
+                "--colocate is for HTTP engines on the trainer's GPU (--rollout-engine vllm); the built-in engine always shares the process"
+            );
         }
         match self.rollout_engine.as_str() {
             "embedded" => {}

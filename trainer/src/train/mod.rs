@@ -28,7 +28,7 @@
 //! - Ctrl-C finishes the current phase, writes the plot and returns (a second Ctrl-C exits at
 //!   once). No checkpoint is written on interrupt; `--load` resumes from the last saved one.
 pub mod args;
-mod engine;
+pub mod engine;
 pub mod eval;
 pub mod parallel;
 pub mod step;
@@ -306,16 +306,16 @@ impl<'a> Run<'a> {
         }
         let engine = match args.rollout_engine.as_str() {
             _ if !rank0 => None,
-            "embedded" => Some(Engine::embedded(&policy, eos_ids.clone(), args.seed)?),
+            "embedded" => Some(Engine::embedded(&policy, eos_ids.clone(), args.seed, &args.sync)?),
             _ => {
                 let sync_dir = args
                     .save
                     .clone()
                     .unwrap_or_else(|| std::env::temp_dir().join(format!("vime-sync-{}", std::process::id())))
                     .join("weights-for-engines");
-                let e = Engine::remote(&args.vllm, &model_dir, sync_dir)?;
-                if resumed.is_some() {
-                    e.sync_weights(&policy, &tokenizer_dir)?;
+                let e = Engine::remote(&args.vllm, &args.sync, &policy, &model_dir, sync_dir)?;
+                if let Some(r) = &resumed {
+                    e.sync_weights(&policy, &tokenizer_dir, r.state.step)?;
                 }
                 Some(e)
             }
@@ -456,12 +456,16 @@ impl<'a> Run<'a> {
             let due = |interval: Option<u64>| interval.is_some_and(|i| step.is_multiple_of(i)) || step == num_rollout;
             let eval_now = args.eval_interval.is_some() && due(args.eval_interval);
             // Weight sync: the engine samples the next rollout (RL) or this evaluation.
-            if let (Some(engine), true) = (&self.engine, args.loss_type == LossType::PolicyLoss || eval_now) {
+            let sync_due = (args.loss_type == LossType::PolicyLoss
+                && (step.is_multiple_of(args.sync.update_weights_interval) || step == num_rollout))
+                || eval_now;
+            if let (Some(engine), true) = (&self.engine, sync_due) {
                 let t = Instant::now();
-                let bytes = engine.sync_weights(&self.policy, &self.tokenizer_dir)?;
+                let out = engine.sync_weights(&self.policy, &self.tokenizer_dir, step)?;
                 let dt = t.elapsed().as_secs_f64();
                 m.insert("perf/sync_time".into(), dt);
-                m.insert("perf/sync_gb_per_s".into(), bytes as f64 / 1e9 / dt.max(1e-9));
+                m.insert("perf/sync_gb_per_s".into(), out.bytes as f64 / 1e9 / dt.max(1e-9));
+                m.extend(out.metrics);
             }
             if eval_now {
                 if self.interrupted()? {
@@ -657,6 +661,7 @@ impl<'a> Run<'a> {
         }
         let engine = self.engine.as_ref().context("internal: only rank 0 generates")?;
         let outputs = engine.generate(&requests).context("generating the rollout")?;
+        engine.release_for_training()?;
         ensure!(
             outputs.len() == requests.len(),
             "the engine returned {} completions for {} requests",
