@@ -1,10 +1,15 @@
 //! The RL loop against an HTTP engine: `vime-train --rollout-engine vllm --vllm-url URL` with
-//! vime-serve (the built-in engine behind vLLM 0.33's HTTP API) in this process. After every
-//! rollout the trainer writes its weights to an HF folder and the engine reloads them through
-//! vLLM's `/collective_rpc reload_weights` + `/update_weight_version`, as a vLLM engine would.
+//! vime-serve (the built-in engine behind vLLM's HTTP API) in this process, once per way the
+//! weights travel:
+//! - `disk`: after every rollout the trainer writes an HF folder and the engine reloads it through
+//!   vLLM's `/collective_rpc reload_weights` + `/update_weight_version`;
+//! - `cpu`: the weights are streamed in buckets (`vime_sync`, CPU broadcast) through
+//!   `/init_weight_transfer_engine` .. `/finish_weight_update`;
+//! - `cpu` with `--colocate` and `--update-weights-interval 2`: the engine sleeps while the trainer
+//!   trains and the sync wakes it; the second rollout is sampled by the initial weights.
 //! Checks: the engine's final weights equal the trainer's last checkpoint bit for bit, every
-//! rollout was sampled by the freshly synced weights (the engine's log-probs equal the trainer's),
-//! and the engine saw one weight update per rollout.
+//! rollout after a sync was sampled by the freshly synced weights (the engine's log-probs equal
+//! the trainer's), and the engine saw one weight update per sync.
 use candle_core::{DType, Device};
 use std::sync::Arc;
 use vime_rollout::engine::embedded::EmbeddedEngine;
@@ -16,6 +21,38 @@ use vime_trainer::train::{run, TrainArgs};
 
 #[test]
 fn grpo_through_vime_serve_syncs_weights_every_rollout() {
+    grpo_through_vime_serve(&[], None, 3, &[false, false, false]);
+}
+
+#[test]
+fn grpo_through_vime_serve_streams_weights_over_the_cpu_broadcast() {
+    grpo_through_vime_serve(
+        &["--update-weight-transport", "cpu", "--update-weight-buffer-size", "8192"],
+        Some(vime_sync::RecvKind::Cpu),
+        3,
+        &[false, false, false],
+    );
+}
+
+#[test]
+fn grpo_colocated_with_a_sync_every_second_rollout() {
+    grpo_through_vime_serve(
+        &[
+            "--update-weight-transport",
+            "cpu",
+            "--colocate",
+            "--update-weights-interval",
+            "2",
+        ],
+        Some(vime_sync::RecvKind::Cpu),
+        2,
+        &[false, true, false],
+    );
+}
+
+/// `syncs`: weight updates the engine must have seen; `stale[k]`: rollout k+1 was sampled by
+/// weights older than the trainer's (no sync after the step before it).
+fn grpo_through_vime_serve(extra: &[&str], transfer: Option<vime_sync::RecvKind>, syncs: u64, stale: &[bool]) {
     let dir = tempfile::tempdir().unwrap();
     let made = make_task(&MakeTaskArgs {
         task: TaskKind::Reverse,
@@ -39,7 +76,8 @@ fn grpo_through_vime_serve_syncs_weights_every_rollout() {
 
     // vime-serve on a free port, on its own runtime thread.
     let engine = Arc::new(EmbeddedEngine::load_hf(&made.model_dir, DType::F32, &Device::Cpu).unwrap());
-    let cfg = ServeConfig::from_hf_dir(&made.model_dir, None).unwrap();
+    let mut cfg = ServeConfig::from_hf_dir(&made.model_dir, None).unwrap();
+    cfg.weight_transfer = transfer;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -90,13 +128,14 @@ fn grpo_through_vime_serve_syncs_weights_every_rollout() {
         "--no-progress",
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
     .collect();
     let summary = run(&TrainArgs::from_flags(&flags).unwrap()).unwrap();
     assert_eq!(summary.final_step, 3);
 
     // One reload per rollout, and the engine now holds the trainer's final weights exactly.
-    assert_eq!(engine.weight_version(), 3);
+    assert_eq!(engine.weight_version(), syncs);
     let trained = candle_core::safetensors::load(save.join("iter_0000003/hf/model.safetensors"), &Device::Cpu).unwrap();
     let served_weights = engine.with_model(|m| m.state_dict()).unwrap();
     assert_eq!(trained.len(), served_weights.len());
@@ -106,16 +145,22 @@ fn grpo_through_vime_serve_syncs_weights_every_rollout() {
         assert!(a == b, "{name} differs between the trainer's checkpoint and the engine");
     }
 
-    // Rollouts 2 and 3 were sampled by synced weights: the engine's log-probs are the trainer's.
+    // Rollouts after a sync were sampled by synced weights: the engine's log-probs are the
+    // trainer's; a rollout after a skipped sync was not.
     let lines = read_metrics(summary.metrics_file.as_ref().unwrap()).unwrap();
     assert_eq!(lines.len(), 3);
-    for (step, m) in &lines {
-        assert!(
-            m["rollout/log_probs_abs_diff"] < 1e-6,
-            "step {step}: {}",
-            m["rollout/log_probs_abs_diff"]
-        );
-        assert!(m["perf/sync_time"] > 0.0);
+    for ((step, m), stale) in lines.iter().zip(stale) {
+        let gap = m["rollout/log_probs_abs_diff"];
+        if *stale {
+            assert!(gap > 1e-4, "step {step}: stale weights sampled with a gap of only {gap}");
+        } else {
+            assert!(gap < 1e-6, "step {step}: {gap}");
+        }
+        let synced = *step % 2 == 0 || *step == 3 || !extra.contains(&"--update-weights-interval");
+        assert_eq!(m.contains_key("perf/sync_time"), synced, "step {step}");
+        if synced && transfer.is_some() {
+            assert!(m["perf/sync_transfer_time"] > 0.0, "step {step}: {m:?}");
+        }
         assert!(m["train/grad_norm"] > 0.0, "step {step}: no gradient");
     }
 

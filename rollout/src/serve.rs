@@ -20,8 +20,10 @@
 //! - `POST /sleep?level=0..2&mode=`, `POST /wake_up?tags=weights&tags=kv_cache`, `GET /is_sleeping`:
 //!   `entrypoints/serve/dev/sleep/api_router.py` (query params, not JSON) and `v1/engine/core.py`
 //!   (`sleep`, `wake_up`): sleep pauses with `mode`; level >= 1 puts the tags `weights` and `kv_cache`
-//!   to sleep (vime-serve keeps its weights where they are, no offload); `wake_up` resumes once no
-//!   tag sleeps (no tags = all; `scheduling` is the level-0 tag), as vLLM does.
+//!   to sleep and the engine's weights move to the host (vLLM's level-1 offload; level 2 does the
+//!   same here: the host copy is kept); `wake_up` with `weights` (or no tags) moves them back, and
+//!   scheduling resumes once no tag sleeps (no tags = all; `scheduling` is the level-0 tag), as
+//!   vLLM does. The KV cache lives only inside a generate call, so a sleeping engine holds none.
 //! - `POST /reset_prefix_cache` (`entrypoints/serve/dev/cache/api_router.py`): no prefix cache here,
 //!   answers `{"success": true}`.
 //! - Weights from disk: vLLM 0.33 has no `update_weights_from_disk` route; its disk reload is
@@ -30,6 +32,15 @@
 //!   answer `{"results": [null, ...]}`, one per worker). vime-serve implements exactly that method
 //!   (one "worker") and 400s any other. `GET /weight_info` -> `{"weight_version": str}` and
 //!   `POST /update_weight_version {"new_version": str}` follow `entrypoints/rl/online/api_router.py`.
+//! - Streamed weights (`--weight-transfer-config '{"backend": "ipc"|"nccl"|"cpu"}'`, else refused):
+//!   `POST /init_weight_transfer_engine {"init_info"}`, `/start_weight_update`, `/update_weights
+//!   {"update_info"}` (answers once the bucket is in the engine), `/finish_weight_update
+//!   [{"weight_version"}]`, each answering `{"message": ...}` as vLLM 0.26 does; the keys are
+//!   vLLM 0.33's for NCCL (`nccl_unique_id_b64`, `rank_offset`, `world_size`, `packed*`) plus
+//!   vime's for IPC (`ipc_handle_b64`, `device_uuid`) and the CPU rendezvous (`master_address`,
+//!   `master_port`); unknown keys are refused (`vime_sync::receiver`). The same calls also come as
+//!   vime's worker-extension methods over `/collective_rpc` (`vime_init_weight_transfer`, ...,
+//!   `vime_weight_info`), and `vime_weight_checksums` returns every tensor's checksum.
 //! - `GET /health` (empty 200, `entrypoints/serve/instrumentator/health.py`), `GET /v1/models`
 //!   (`entrypoints/openai/models/serving.py`).
 //!
@@ -306,15 +317,26 @@ fn spawn_receiver(kind: vime_sync::RecvKind, engine: Arc<dyn RolloutEngine>, dea
                 return;
             };
             let mut recv = vime_sync::WeightReceiver::new(kind, sink.device(), deadline);
+            let mut load_s = 0.0;
             for (op, done) in rx {
                 let t = Instant::now();
                 let r = match &op {
                     SyncOp::Init(info) => recv.init(info).map(|_| json!({})),
-                    SyncOp::Start => recv.start().map(|_| json!({})),
-                    SyncOp::Update(info) => recv.update(info, sink).map(|_| json!({})),
+                    SyncOp::Start => {
+                        load_s = 0.0;
+                        recv.start().map(|_| json!({}))
+                    }
+                    SyncOp::Update(info) => recv.update(info, sink).map(|_| {
+                        let dt = t.elapsed().as_secs_f64();
+                        load_s += dt;
+                        json!({ "load_s": dt })
+                    }),
                     SyncOp::Finish => recv.finish(sink).map(|(b, n)| {
-                        eprintln!("vime-serve: weight update received: {n} tensors in {b} bucket(s)");
-                        json!({})
+                        eprintln!(
+                            "vime-serve: weight update received: {n} tensors in {b} bucket(s), {:.2} ms receiving and loading",
+                            load_s * 1e3
+                        );
+                        json!({ "load_s": load_s })
                     }),
                 };
                 if let SyncOp::Init(_) = op {
@@ -765,6 +787,14 @@ async fn sleep(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
     // Level 0 pauses scheduling only; nothing is asleep (vLLM's `is_sleeping` stays false).
     if level >= 1 {
         *s.sleeping.lock().unwrap() = Some(SLEEP_TAGS.iter().map(|t| t.to_string()).collect());
+        // The engine is idle (the pause answered): its weights go to the host. The KV cache lives
+        // only inside a generate call, so there is none to drop.
+        let engine = s.engine.clone();
+        match tokio::task::spawn_blocking(move || engine.offload_weights()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return ApiError::internal(format!("sleep: {e:#}")).into_response(),
+            Err(e) => return ApiError::internal(format!("sleep: {e}")).into_response(),
+        }
     }
     Json(json!({"status": "sleeping", "level": level})).into_response()
 }
@@ -799,6 +829,14 @@ async fn wake_up(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
             }
         }
     };
+    if tags.is_empty() || tags.iter().any(|t| t == "weights") {
+        let engine = s.engine.clone();
+        match tokio::task::spawn_blocking(move || engine.restore_weights()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return ApiError::internal(format!("wake_up: {e:#}")).into_response(),
+            Err(e) => return ApiError::internal(format!("wake_up: {e}")).into_response(),
+        }
+    }
     if fully_awake {
         if let Err(e) = s.send(|done| Msg::Resume { done }).await {
             return e.into_response();
@@ -909,9 +947,18 @@ fn json_body(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
+/// vLLM's `{"message"}` answer, plus what the receiver measured (`load_s`: seconds this engine
+/// spent receiving and loading).
 fn reply(r: Result<Value, ApiError>, message: &str) -> Response {
     match r {
-        Ok(_) => Json(json!({ "message": message })).into_response(),
+        Ok(mut v) => {
+            if let Some(m) = v.as_object_mut() {
+                m.insert("message".into(), json!(message));
+            } else {
+                v = json!({ "message": message });
+            }
+            Json(v).into_response()
+        }
         Err(e) => e.into_response(),
     }
 }

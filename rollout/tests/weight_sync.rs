@@ -265,6 +265,7 @@ fn native_protocol_streams_every_tensor_bit_exact() {
     let w1 = new_weights(1);
     let rep = tx.sync(&s.client, &source(&w1), 3).unwrap();
     assert_eq!((rep.buckets, rep.tensors), (nb, w1.len()));
+    assert!(rep.engine_load_s > 0.0, "vime-serve reports its load time: {rep:?}");
     assert_eq!(rep.bytes, w1.values().map(|t| t.elem_count() * 2).sum::<usize>());
     let log = take_log(&s);
     let mut expect = vec![

@@ -69,9 +69,11 @@ except Exception as e:
 ms = lambda k: f"{1e3 * r[k]:.2f} ms"
 print(f"{r['bytes'] / 1e9:.3f} GB in {r['buckets']} buckets, {r['syncs']} timed syncs (medians):")
 for k in ("median_wall_s", "median_prepare_s", "median_transfer_s", "median_stage_s", "median_engine_wait_s",
-          "median_finish_s", "median_paused_s"):
+          "median_engine_load_s", "median_finish_s", "median_paused_s"):
     print(f"  {k}: {ms(k)}")
 print(f"  median GB/s: {r['median_gb_per_s']:.1f}")
+print(f"  handle exchange (HTTP) = engine_wait - engine_load: {1e3 * (r['median_engine_wait_s'] - r['median_engine_load_s']):.2f} ms")
+print(f"GPU memory used (all processes): engine awake {r.get('gpu_used_gb_engine_awake')} GB, engine asleep {r.get('gpu_used_gb_engine_asleep')} GB")
 print(f"checked {r.get('checked_tensors')} tensors, mismatched: {r.get('mismatched_tensors')}")
 print("SYNC IPC BIT-EXACT:", "PASS" if r.get("bit_exact") else "FAIL")
 print("SYNC IPC GOAL <= 50 ms:", "PASS" if r["median_wall_s"] <= 0.050 else "MISS")

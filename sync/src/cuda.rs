@@ -212,3 +212,21 @@ pub fn unpack_device(d: &CudaDevice, base: u64, parts: &[(&Tensor, usize)]) -> R
     }
     Ok(())
 }
+
+/// Bytes in use on the device, by every process (`cuMemGetInfo`: total - free).
+pub fn device_memory_used(d: &CudaDevice) -> Result<u64> {
+    d.cuda_stream()
+        .context()
+        .bind_to_thread()
+        .map_err(|e| cuda(e, "bind context"))?;
+    let (free, total) = result::mem_get_info().map_err(|e| cuda(e, "cuMemGetInfo"))?;
+    Ok((total - free) as u64)
+}
+
+/// [`device_memory_used`] of `d` in GB, or `None` off the GPU.
+pub fn device_memory_used_gb(d: &Device) -> Option<f64> {
+    match d {
+        Device::Cuda(c) => device_memory_used(c).ok().map(|b| b as f64 / 1e9),
+        _ => None,
+    }
+}

@@ -85,6 +85,9 @@ pub struct SyncReport {
     pub stage_s: f64,
     /// Waiting for the engines' `/update_weights` answers (their load).
     pub engine_wait_s: f64,
+    /// What the engines say they spent receiving and loading (`load_s` in vime-serve's answers;
+    /// the slowest engine per bucket, summed); the rest of the wait is the HTTP exchange.
+    pub engine_load_s: f64,
     /// `/finish_weight_update`, prefix-cache reset, `/resume`, version check.
     pub finish_s: f64,
     /// First paused call to the resume: how long the engines did not serve.
@@ -104,6 +107,7 @@ impl SyncReport {
             ("perf/sync_transfer_time", self.transfer_s),
             ("perf/sync_stage_time", self.stage_s),
             ("perf/sync_engine_wait_time", self.engine_wait_s),
+            ("perf/sync_engine_load_time", self.engine_load_s),
             ("perf/sync_finish_time", self.finish_s),
             ("perf/sync_paused_time", self.paused_s),
         ]
@@ -289,7 +293,11 @@ impl WeightSender {
                 (r, moved, staged.map(|s| (s, secs(t))))
             });
             // The engines' answer says more than our side's error (which is often the consequence).
-            http?;
+            let answers = http?;
+            rep.engine_load_s += answers
+                .iter()
+                .filter_map(|v| v.get("load_s").and_then(Value::as_f64))
+                .fold(0.0, f64::max);
             moved.with_context(|| format!("weight sync: moving bucket {k} of {nb} to the engines"))?;
             let (st, wait) = staged.with_context(|| format!("weight sync: staging bucket {} of {nb}", k + 1))?;
             rep.stage_s += st;

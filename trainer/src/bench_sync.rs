@@ -121,8 +121,15 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
         if device.is_cuda() {
             device.synchronize()?;
         }
+        #[cfg(feature = "cuda")]
+        let used = || vime_sync::cuda::device_memory_used_gb(&device);
+        #[cfg(not(feature = "cuda"))]
+        let used = || None::<f64>;
+        let awake_gb = used();
+        let mut asleep_gb = None;
         if args.colocate {
             client.sleep(1)?;
+            asleep_gb = used();
             client.wake_up(&["weights"])?;
         }
         let state = policy.state_dict();
@@ -136,8 +143,9 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
         let line = json!({
             "sync": i, "first": i == 0, "wall_s": wall, "prepare_s": rep.prepare_s, "pause_s": rep.pause_s,
             "init_s": rep.init_s, "transfer_s": rep.transfer_s, "stage_s": rep.stage_s,
-            "engine_wait_s": rep.engine_wait_s, "finish_s": rep.finish_s, "paused_s": rep.paused_s,
+            "engine_wait_s": rep.engine_wait_s, "engine_load_s": rep.engine_load_s, "finish_s": rep.finish_s, "paused_s": rep.paused_s,
             "bytes": rep.bytes, "buckets": rep.buckets, "tensors": rep.tensors,
+            "gpu_used_gb_engine_awake": awake_gb, "gpu_used_gb_engine_asleep": asleep_gb,
         });
         eprintln!("bench-sync: {line}");
         if i > 0 {
@@ -153,8 +161,11 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
         "median_wall_s": median(walls.clone()),
         "median_prepare_s": field("prepare_s"), "median_transfer_s": field("transfer_s"),
         "median_stage_s": field("stage_s"), "median_engine_wait_s": field("engine_wait_s"),
+        "median_engine_load_s": field("engine_load_s"),
         "median_finish_s": field("finish_s"), "median_paused_s": field("paused_s"),
         "median_gb_per_s": plan.total_bytes() as f64 / 1e9 / median(walls),
+        "gpu_used_gb_engine_awake": reports.last().map(|r| r["gpu_used_gb_engine_awake"].clone()),
+        "gpu_used_gb_engine_asleep": reports.last().map(|r| r["gpu_used_gb_engine_asleep"].clone()),
     });
     if !args.no_check {
         let t = Instant::now();

@@ -3,7 +3,8 @@
 //! Takes `vllm serve`'s argument shape too (`vime-serve MODEL --port P --tensor-parallel-size 1
 //! --gpu-memory-utilization X --enable-sleep-mode --worker-extension-cls CLS`), so the vLLM launcher
 //! can start it in vLLM's place; the GPU-memory, sleep-mode and worker-extension flags are accepted
-//! and have no effect here (sleep endpoints are always on, weights stay where they are).
+//! and have no effect here (sleep endpoints are always on; a level-1 sleep moves the weights to the
+//! host). `--weight-transfer-config` turns on the streamed weight sync, as in vLLM.
 //!
 //! EOS is handled per request by the server (vLLM's `ignore_eos`), so the engine is built without
 //! engine-wide EOS ids.

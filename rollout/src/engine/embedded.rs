@@ -85,6 +85,8 @@ impl EngineOptions {
 /// In-process [`RolloutEngine`] on a [`Qwen3`] model.
 pub struct EmbeddedEngine {
     model: RwLock<Qwen3>,
+    /// The device the weights belong on while they sleep on the host (`offload_weights`).
+    home: Mutex<Option<Device>>,
     weight_version: AtomicU64,
     rng: Mutex<Rng>,
     opts: EngineOptions,
@@ -97,6 +99,7 @@ impl EmbeddedEngine {
         }
         Ok(Self {
             model: RwLock::new(model),
+            home: Mutex::new(None),
             weight_version: AtomicU64::new(0),
             rng: Mutex::new(Rng::new(opts.seed)),
             opts,
@@ -381,6 +384,36 @@ impl RolloutEngine for EmbeddedEngine {
         Some(self)
     }
 
+    fn offload_weights(&self) -> Result<()> {
+        let mut home = self.home.lock().map_err(|_| anyhow!("the engine's home lock is poisoned"))?;
+        let mut model = self
+            .model
+            .write()
+            .map_err(|_| anyhow!("the engine's model lock is poisoned"))?;
+        let device = model.device().clone();
+        if home.is_some() || device.is_cpu() {
+            return Ok(());
+        }
+        *model = moved(&model, &Device::Cpu).context("offloading the engine's weights to the host")?;
+        device.synchronize()?;
+        *home = Some(device);
+        Ok(())
+    }
+
+    fn restore_weights(&self) -> Result<()> {
+        let mut home = self.home.lock().map_err(|_| anyhow!("the engine's home lock is poisoned"))?;
+        let Some(device) = home.clone() else {
+            return Ok(());
+        };
+        let mut model = self
+            .model
+            .write()
+            .map_err(|_| anyhow!("the engine's model lock is poisoned"))?;
+        *model = moved(&model, &device).context("restoring the engine's weights to the device")?;
+        *home = None;
+        Ok(())
+    }
+
     fn weight_checksums(&self) -> Result<BTreeMap<String, u64>> {
         let model = self.read()?;
         model
@@ -389,6 +422,19 @@ impl RolloutEngine for EmbeddedEngine {
             .map(|(n, v)| Ok((n.clone(), vime_sync::pack::checksum(v.as_tensor())?)))
             .collect()
     }
+}
+
+/// The same model with its weights on `device` (fresh buffers; the old model's are freed when it
+/// drops).
+fn moved(m: &Qwen3, device: &Device) -> Result<Qwen3> {
+    let tensors = m
+        .state_dict()
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_device(device)?)))
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    let mut out = Qwen3::from_tensors(m.config().clone(), tensors)?;
+    out.set_kernel_config(m.kernel_config().clone());
+    Ok(out)
 }
 
 /// A streamed sync writes a bucket at a time: names and shapes are checked against the model

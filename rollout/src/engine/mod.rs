@@ -83,6 +83,16 @@ pub trait RolloutEngine: Send + Sync {
     fn weight_sink(&self) -> Option<&dyn vime_sync::WeightSink> {
         None
     }
+    /// Sleep level >= 1 for the weights (vLLM's offload): move them to the host, freeing the
+    /// device for a colocated trainer. A no-op for engines on the CPU or without the ability.
+    fn offload_weights(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Undoes [`RolloutEngine::offload_weights`] (`/wake_up?tags=weights`); a no-op when the
+    /// weights are where they belong.
+    fn restore_weights(&self) -> Result<()> {
+        Ok(())
+    }
     /// Per-tensor checksums of the weights (`vime_sync::pack::checksum`), by HF name: what the
     /// sync benchmarks compare with the trainer's.
     fn weight_checksums(&self) -> Result<std::collections::BTreeMap<String, u64>> {

@@ -249,7 +249,17 @@ impl Engine {
                 asleep,
                 ..
             } => {
+                #[cfg(feature = "cuda")]
+                let gpu_used = |m: &mut Vec<(String, f64)>, key: &str| {
+                    if let Some(gb) = vime_sync::cuda::device_memory_used_gb(policy.device()) {
+                        m.push((key.to_string(), gb));
+                    }
+                };
+                #[cfg(not(feature = "cuda"))]
+                let gpu_used = |_: &mut Vec<(String, f64)>, _: &str| {};
                 if *colocate && asleep.get() {
+                    // The GPU as training left it, the engines asleep (every process's use).
+                    gpu_used(&mut metrics, "perf/gpu_used_gb_engines_asleep");
                     let t = Instant::now();
                     client.wake_up(&["weights"]).context("waking the engines' weights for the sync")?;
                     metrics.push(("perf/sync_wake_weights_time".into(), t.elapsed().as_secs_f64()));
@@ -261,6 +271,7 @@ impl Engine {
                     asleep.set(false);
                     metrics.push(("perf/sync_wake_kv_cache_time".into(), t.elapsed().as_secs_f64()));
                 }
+                gpu_used(&mut metrics, "perf/gpu_used_gb_engines_awake");
                 metrics.extend(rep.metrics().into_iter().map(|(k, v)| (k.to_string(), v)));
                 return Ok(SyncOutcome {
                     bytes: rep.bytes as u64,
