@@ -7,6 +7,7 @@
 //!   `/init_weight_transfer_engine` .. `/finish_weight_update`;
 //! - `cpu` with `--colocate` and `--update-weights-interval 2`: the engine sleeps while the trainer
 //!   trains and the sync wakes it; the second rollout is sampled by the initial weights.
+//!
 //! Checks: the engine's final weights equal the trainer's last checkpoint bit for bit, every
 //! rollout after a sync was sampled by the freshly synced weights (the engine's log-probs equal
 //! the trainer's), and the engine saw one weight update per sync.
@@ -27,7 +28,12 @@ fn grpo_through_vime_serve_syncs_weights_every_rollout() {
 #[test]
 fn grpo_through_vime_serve_streams_weights_over_the_cpu_broadcast() {
     grpo_through_vime_serve(
-        &["--update-weight-transport", "cpu", "--update-weight-buffer-size", "8192"],
+        &[
+            "--update-weight-transport",
+            "cpu",
+            "--update-weight-buffer-size",
+            "8192",
+        ],
         Some(vime_sync::RecvKind::Cpu),
         3,
         &[false, false, false],
@@ -152,7 +158,10 @@ fn grpo_through_vime_serve(extra: &[&str], transfer: Option<vime_sync::RecvKind>
     for ((step, m), stale) in lines.iter().zip(stale) {
         let gap = m["rollout/log_probs_abs_diff"];
         if *stale {
-            assert!(gap > 1e-4, "step {step}: stale weights sampled with a gap of only {gap}");
+            assert!(
+                gap > 1e-4,
+                "step {step}: stale weights sampled with a gap of only {gap}"
+            );
         } else {
             assert!(gap < 1e-6, "step {step}: {gap}");
         }

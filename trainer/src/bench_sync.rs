@@ -62,7 +62,12 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
     let device = parse_device(&args.device)?;
     let cfg = config_of(&args.model)?;
     let policy = random_model(cfg.clone(), DType::BF16, &device)?;
-    let plan = sync_plan(&policy, DType::BF16, args.update_weight_buffer_size, BucketRule::CloseBefore)?;
+    let plan = sync_plan(
+        &policy,
+        DType::BF16,
+        args.update_weight_buffer_size,
+        BucketRule::CloseBefore,
+    )?;
     let protocol: Protocol = args.protocol.parse()?;
     let client = VllmClient::connect(VllmClientConfig {
         engine_urls: vec![args.engine_url.clone()],

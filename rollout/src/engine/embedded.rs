@@ -385,7 +385,10 @@ impl RolloutEngine for EmbeddedEngine {
     }
 
     fn offload_weights(&self) -> Result<()> {
-        let mut home = self.home.lock().map_err(|_| anyhow!("the engine's home lock is poisoned"))?;
+        let mut home = self
+            .home
+            .lock()
+            .map_err(|_| anyhow!("the engine's home lock is poisoned"))?;
         let mut model = self
             .model
             .write()
@@ -401,7 +404,10 @@ impl RolloutEngine for EmbeddedEngine {
     }
 
     fn restore_weights(&self) -> Result<()> {
-        let mut home = self.home.lock().map_err(|_| anyhow!("the engine's home lock is poisoned"))?;
+        let mut home = self
+            .home
+            .lock()
+            .map_err(|_| anyhow!("the engine's home lock is poisoned"))?;
         let Some(device) = home.clone() else {
             return Ok(());
         };

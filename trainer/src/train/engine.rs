@@ -29,7 +29,10 @@ use vime_sync::{BucketRule, Protocol, SyncOptions, SyncPlan, Transport, WeightSe
 
 pub enum Engine {
     /// Its own copy of the weights (the policy's are updated by the optimizer in place).
-    Embedded { engine: Box<EmbeddedEngine>, plan: SyncPlan },
+    Embedded {
+        engine: Box<EmbeddedEngine>,
+        plan: SyncPlan,
+    },
     Remote {
         client: VllmClient,
         /// Engines this process started (`--vllm-launch`); dropped with the loop.
@@ -37,7 +40,7 @@ pub enum Engine {
         /// Where each new policy is written for the engines to reload (`disk`).
         sync_dir: PathBuf,
         /// The streamed sync (`ipc`, `nccl`, `cpu`); `None` for `disk`.
-        sender: Option<RefCell<WeightSender>>,
+        sender: Option<RefCell<Box<WeightSender>>>,
         colocate: bool,
         asleep: Cell<bool>,
     },
@@ -105,7 +108,13 @@ impl Engine {
     }
 
     /// Connects to (or launches) HTTP engines serving `model_dir`, with the sync `args` asks for.
-    pub fn remote(vllm: &VllmArgs, args: &SyncArgs, policy: &Qwen3, model_dir: &Path, sync_dir: PathBuf) -> Result<Self> {
+    pub fn remote(
+        vllm: &VllmArgs,
+        args: &SyncArgs,
+        policy: &Qwen3,
+        model_dir: &Path,
+        sync_dir: PathBuf,
+    ) -> Result<Self> {
         let (launcher, client) = vllm
             .connect(&model_dir.display().to_string())
             .context("connecting to the rollout engines")?;
@@ -147,7 +156,7 @@ impl Engine {
                 clear_cache: false,
                 reset_prefix_cache: true,
             };
-            Some(RefCell::new(WeightSender::new(plan, make, opts)))
+            Some(RefCell::new(Box::new(WeightSender::new(plan, make, opts))))
         };
         Ok(Engine::Remote {
             client,
@@ -261,13 +270,17 @@ impl Engine {
                     // The GPU as training left it, the engines asleep (every process's use).
                     gpu_used(&mut metrics, "perf/gpu_used_gb_engines_asleep");
                     let t = Instant::now();
-                    client.wake_up(&["weights"]).context("waking the engines' weights for the sync")?;
+                    client
+                        .wake_up(&["weights"])
+                        .context("waking the engines' weights for the sync")?;
                     metrics.push(("perf/sync_wake_weights_time".into(), t.elapsed().as_secs_f64()));
                 }
                 let rep = sender.borrow_mut().sync(client, &source, version)?;
                 if *colocate && asleep.get() {
                     let t = Instant::now();
-                    client.wake_up(&["kv_cache"]).context("waking the engines' KV cache after the sync")?;
+                    client
+                        .wake_up(&["kv_cache"])
+                        .context("waking the engines' KV cache after the sync")?;
                     asleep.set(false);
                     metrics.push(("perf/sync_wake_kv_cache_time".into(), t.elapsed().as_secs_f64()));
                 }
