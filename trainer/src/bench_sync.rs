@@ -43,9 +43,14 @@ pub struct BenchSyncArgs {
     pub colocate: bool,
     #[arg(long, default_value_t = 300.0)]
     pub timeout: f64,
-    /// Skip the checksum comparison (it reads every weight back to the host on both sides).
+    /// Skip the checksum comparison (it reads every weight back to the host on both sides; an
+    /// engine other than vime-serve has no checksums).
     #[arg(long)]
     pub no_check: bool,
+    /// Write the weights of the last sync as an HF checkpoint here (config.json + safetensors),
+    /// for checking what the engine computes with them (`vime-train logprobs`).
+    #[arg(long)]
+    pub save_hf: Option<std::path::PathBuf>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -172,6 +177,10 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
         "gpu_used_gb_engine_awake": reports.last().map(|r| r["gpu_used_gb_engine_awake"].clone()),
         "gpu_used_gb_engine_asleep": reports.last().map(|r| r["gpu_used_gb_engine_asleep"].clone()),
     });
+    if let Some(dir) = &args.save_hf {
+        policy.save_hf(dir, DType::BF16, vime_qwen3::checkpoint::DEFAULT_MAX_SHARD_BYTES)?;
+        eprintln!("bench-sync: the last sync's weights are in {}", dir.display());
+    }
     if !args.no_check {
         let t = Instant::now();
         let rpc = client.collective_rpc(RPC_CHECKSUMS, &["{}".to_string()], &Default::default())?;
