@@ -118,6 +118,8 @@ struct Inner {
     rr: AtomicUsize,
     sem: Semaphore,
     weight_version: AtomicU64,
+    /// The engines answered 404 to `/update_weight_version` (vLLM < 0.33): not called again.
+    no_version_route: AtomicBool,
     user_paused: AtomicBool,
     registered: Mutex<Vec<String>>,
     completed: AtomicU64,
@@ -183,6 +185,7 @@ impl VllmClient {
             http,
             rr: AtomicUsize::new(0),
             weight_version: AtomicU64::new(0),
+            no_version_route: AtomicBool::new(false),
             user_paused: AtomicBool::new(false),
             registered: Mutex::new(Vec::new()),
             completed: AtomicU64::new(0),
@@ -687,9 +690,25 @@ impl Inner {
             Ok(_) => {
                 let v = self.weight_version.load(Ordering::SeqCst) + 1;
                 let label = json!({"new_version": v.to_string()});
-                let r = self
-                    .control_all(reqwest::Method::POST, "/update_weight_version", Some(label))
-                    .await;
+                // vLLM 0.26 has no version route (a 404): the client's own counter is the version.
+                let r = if self.no_version_route.load(Ordering::SeqCst) {
+                    Ok(Vec::new())
+                } else {
+                    match self
+                        .control_all(reqwest::Method::POST, "/update_weight_version", Some(label))
+                        .await
+                    {
+                        Err(e) if format!("{e:#}").contains("HTTP 404") => {
+                            eprintln!(
+                                "vime vLLM client: the engines have no /update_weight_version (vLLM < 0.33); \
+                                 the weight version is kept by vime only"
+                            );
+                            self.no_version_route.store(true, Ordering::SeqCst);
+                            Ok(Vec::new())
+                        }
+                        r => r,
+                    }
+                };
                 if r.is_ok() {
                     self.weight_version.store(v, Ordering::SeqCst);
                 }

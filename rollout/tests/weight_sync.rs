@@ -41,6 +41,9 @@ enum Fault {
     FailUpdate(usize),
     /// Never answer calls whose path starts with this.
     Hang(&'static str),
+    /// Answer calls whose path starts with this as vLLM 0.26 answers a route it lacks (captured
+    /// from the real server by scripts/gpu/vllm_sync.sh: 404 `{"detail": "Not Found"}`).
+    NotFound(&'static str),
 }
 
 #[derive(Clone)]
@@ -78,6 +81,11 @@ async fn forward(State(p): State<Proxy>, method: Method, uri: Uri, body: Bytes) 
     if let Fault::Hang(prefix) = fault {
         if pq.starts_with(prefix) {
             std::future::pending::<()>().await;
+        }
+    }
+    if let Fault::NotFound(prefix) = fault {
+        if pq.starts_with(prefix) {
+            return (StatusCode::NOT_FOUND, axum::Json(json!({"detail": "Not Found"}))).into_response();
         }
     }
     let r = p
@@ -421,4 +429,30 @@ fn a_tensor_the_engine_lacks_is_refused_by_name() {
     let after = s.engine.weight_checksums().unwrap();
     assert_eq!(before["model.norm.weight"], after["model.norm.weight"]);
     assert_ne!(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"]);
+}
+
+/// vLLM 0.26 has no `/update_weight_version`: the disk reload still succeeds, the client keeps the
+/// version itself and stops calling the route.
+#[test]
+fn a_disk_reload_survives_an_engine_without_the_version_route() {
+    let s = setup();
+    *s.proxy.fault.lock().unwrap() = Fault::NotFound("/update_weight_version");
+    for v in 1..=2 {
+        s.client.update_weights_from_dir(&fixture_dir()).unwrap();
+        assert_eq!(s.client.weight_version(), v);
+    }
+    let calls = call_names(&take_log(&s));
+    assert_eq!(
+        calls.iter().filter(|c| c.contains("/update_weight_version")).count(),
+        1,
+        "{calls:?}"
+    );
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|c| c.contains("reload_weights") || c.ends_with("/collective_rpc"))
+            .count(),
+        2,
+        "{calls:?}"
+    );
 }
