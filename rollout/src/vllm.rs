@@ -264,6 +264,21 @@ impl VllmClient {
         })
     }
 
+    /// `GET /version` of every engine, in `engine_urls` order: `Some("0.26.0")` for vLLM, `None`
+    /// for an engine without the route (404, vime-serve).
+    pub fn engine_versions(&self) -> Result<Vec<Option<String>>> {
+        use vime_sync::EngineControl;
+        (0..self.inner.engines.len())
+            .map(
+                |i| match self.call(i, &vime_sync::Call::get("/version"), self.inner.cfg.control_timeout) {
+                    Ok(v) => Ok(v.get("version").and_then(Value::as_str).map(str::to_string)),
+                    Err(e) if format!("{e:#}").contains("HTTP 404") => Ok(None),
+                    Err(e) => Err(e.context(format!("asking {} for its version", self.inner.engines[i].url))),
+                },
+            )
+            .collect()
+    }
+
     /// `POST /pause?mode=` on every engine; returns once all are paused.
     pub fn pause(&self, mode: PauseMode) -> Result<()> {
         self.inner.user_paused.store(true, Ordering::SeqCst);

@@ -120,6 +120,15 @@ fn the_completion_vllm_sent_parses_to_ids_and_logprobs() {
 fn the_client_drives_vllm_026_answers() {
     let (_rt, client) = start();
     client.wait_healthy(std::time::Duration::from_secs(5)).unwrap();
+    // `/version` picks the protocol: vLLM 0.26 gets the worker extension for IPC and NCCL.
+    let versions = client.engine_versions().unwrap();
+    assert_eq!(versions, vec![Some("0.26.0".to_string())]);
+    for t in ["ipc", "nccl"] {
+        assert_eq!(
+            vime_sync::protocol::choose_protocol(&versions, t).unwrap(),
+            vime_sync::Protocol::WorkerExtension
+        );
+    }
     let out = client
         .generate(&[GenRequest {
             prompt_ids: vec![9707, 11, 1879],

@@ -260,6 +260,9 @@ fn assert_engine_holds(s: &Setup, w: &BTreeMap<String, Tensor>) {
 #[test]
 fn native_protocol_streams_every_tensor_bit_exact() {
     let s = setup();
+    // vime-serve has no `/version`: the auto choice is the native protocol.
+    assert_eq!(s.client.engine_versions().unwrap(), vec![None]);
+    take_log(&s);
     let p = plan(None);
     let nb = p.buckets.len();
     assert!(nb >= 4, "the 4 KiB buckets split the fixture into {nb}");

@@ -23,13 +23,44 @@ pub enum Protocol {
     WorkerExtension,
 }
 
+/// The protocol for engines reporting `versions` (`GET /version`: `Some("0.26.0")` for vLLM,
+/// `None` for an engine without the route, which is vime-serve) and the `transport` (`ipc`,
+/// `nccl`, `cpu`): vime-serve speaks the native routes; vLLM before 0.33 needs the worker
+/// extension for both transports, 0.33 and later for IPC only (its IPC engine still wants torch
+/// pickles, its NCCL engine takes `nccl_unique_id_b64`). Engines of different kinds are refused.
+pub fn choose_protocol(versions: &[Option<String>], transport: &str) -> Result<Protocol> {
+    let pick = |v: &Option<String>| -> Result<Protocol> {
+        let Some(v) = v else {
+            return Ok(Protocol::Native);
+        };
+        let mut parts = v.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty());
+        let major: u64 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        let minor: u64 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        let native_nccl = (major, minor) >= (0, 33);
+        Ok(if transport == "nccl" && native_nccl {
+            Protocol::Native
+        } else {
+            Protocol::WorkerExtension
+        })
+    };
+    let chosen = versions.iter().map(pick).collect::<Result<Vec<_>>>()?;
+    match chosen.first() {
+        None => bail!("no engines to choose a weight-sync protocol for"),
+        Some(first) if chosen.iter().all(|c| c == first) => Ok(*first),
+        _ => bail!(
+            "the engines need different weight-sync protocols (versions {versions:?}); run one kind of engine, \
+             or pick --update-weight-protocol yourself"
+        ),
+    }
+}
+
 impl std::str::FromStr for Protocol {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "native" => Ok(Protocol::Native),
             "worker-extension" => Ok(Protocol::WorkerExtension),
-            _ => bail!("--update-weight-protocol must be native or worker-extension, got {s:?}"),
+            _ => bail!("--update-weight-protocol must be auto, native or worker-extension, got {s:?}"),
         }
     }
 }
@@ -191,4 +222,32 @@ pub fn parse_weight_version(v: &Value) -> Option<String> {
 /// `results` of a `/collective_rpc` answer: one entry per worker.
 pub fn rpc_results(v: &Value) -> Vec<Value> {
     v.get("results").and_then(Value::as_array).cloned().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_protocol_follows_the_engine_and_the_transport() {
+        let v = |s: &str| Some(s.to_string());
+        assert_eq!(choose_protocol(&[None], "ipc").unwrap(), Protocol::Native);
+        assert_eq!(choose_protocol(&[None, None], "cpu").unwrap(), Protocol::Native);
+        assert_eq!(
+            choose_protocol(&[v("0.26.0")], "ipc").unwrap(),
+            Protocol::WorkerExtension
+        );
+        assert_eq!(
+            choose_protocol(&[v("0.26.0")], "nccl").unwrap(),
+            Protocol::WorkerExtension
+        );
+        assert_eq!(choose_protocol(&[v("0.33.0")], "nccl").unwrap(), Protocol::Native);
+        assert_eq!(
+            choose_protocol(&[v("0.33.1rc1")], "ipc").unwrap(),
+            Protocol::WorkerExtension
+        );
+        assert_eq!(choose_protocol(&[v("1.2.0")], "nccl").unwrap(), Protocol::Native);
+        assert!(choose_protocol(&[None, v("0.26.0")], "ipc").is_err());
+        assert!(choose_protocol(&[], "ipc").is_err());
+    }
 }

@@ -257,7 +257,16 @@ impl WeightSender {
                 let c = tr.connect(n, d);
                 (h.join().unwrap_or_else(|_| Err(anyhow!("the HTTP thread panicked"))), c)
             });
-            http?;
+            http.map_err(|e| match proto {
+                Protocol::WorkerExtension => e.context(
+                    "the worker-extension protocol needs vLLM started with --worker-extension-cls \
+                     vime_vllm_ext.VimeWorkerExtension and vime's sync/python on its PYTHONPATH",
+                ),
+                Protocol::Native => e.context(
+                    "the native protocol needs vime-serve (or vLLM) started with --weight-transfer-config \
+                     for this transport",
+                ),
+            })?;
             conn.context("weight sync: the transport did not connect to the engines")?;
             self.connected = true;
             rep.init_s = secs(t);

@@ -28,8 +28,8 @@ pub struct BenchSyncArgs {
     /// ipc (same GPU), nccl (other GPUs) or cpu.
     #[arg(long, default_value = "ipc")]
     pub transport: String,
-    /// native or worker-extension.
-    #[arg(long, default_value = "native")]
+    /// auto (from the engine's GET /version), native or worker-extension.
+    #[arg(long, default_value = "auto")]
     pub protocol: String,
     #[arg(long, default_value_t = vime_sync::DEFAULT_BUFFER_BYTES)]
     pub update_weight_buffer_size: usize,
@@ -73,7 +73,6 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
         args.update_weight_buffer_size,
         BucketRule::CloseBefore,
     )?;
-    let protocol: Protocol = args.protocol.parse()?;
     let client = VllmClient::connect(VllmClientConfig {
         engine_urls: vec![args.engine_url.clone()],
         max_retries: 0,
@@ -82,6 +81,10 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
     client
         .wait_healthy(Duration::from_secs(600))
         .with_context(|| format!("waiting for {}", args.engine_url))?;
+    let protocol: Protocol = match args.protocol.as_str() {
+        "auto" => vime_sync::protocol::choose_protocol(&client.engine_versions()?, &args.transport)?,
+        other => other.parse()?,
+    };
     let dev = device.clone();
     let make: Box<dyn Fn() -> Result<Box<dyn Transport>>> = match args.transport.as_str() {
         "ipc" => {
@@ -165,7 +168,7 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
     }
     let field = |k: &str| median(reports.iter().map(|r| r[k].as_f64().unwrap()).collect());
     let mut out = json!({
-        "model": args.model, "transport": args.transport, "protocol": args.protocol,
+        "model": args.model, "transport": args.transport, "protocol": format!("{protocol:?}"),
         "colocate": args.colocate, "bytes": plan.total_bytes(), "buckets": plan.buckets.len(),
         "buffer_bytes": plan.buffer_bytes, "syncs": args.syncs,
         "median_wall_s": median(walls.clone()),

@@ -179,10 +179,11 @@ pub struct SyncArgs {
     /// (CPU broadcast, for engines on the CPU) or disk (an HF folder the engines reload).
     #[arg(long, default_value = "auto")]
     pub update_weight_transport: String,
-    /// vime: native (vime-serve, vLLM 0.33's weight-transfer routes) or worker-extension (vLLM
-    /// 0.24-0.26 started with --worker-extension-cls vime_vllm_ext.VimeWorkerExtension, the file in
-    /// sync/python/).
-    #[arg(long, default_value = "native")]
+    /// vime: auto (from each engine's GET /version: vime-serve native, vLLM the worker
+    /// extension, except NCCL into vLLM >= 0.33 native), native (vime-serve, vLLM 0.33's
+    /// weight-transfer routes) or worker-extension (vLLM started with --worker-extension-cls
+    /// vime_vllm_ext.VimeWorkerExtension, the file in sync/python/ on its PYTHONPATH).
+    #[arg(long, default_value = "auto")]
     pub update_weight_protocol: String,
     /// vime: seconds any weight-sync call or transfer may take before the sync fails naming the
     /// engine.
@@ -427,7 +428,9 @@ impl TrainArgs {
             "--update-weight-timeout must be a positive number of seconds"
         );
         crate::train::engine::resolve_transport(&self.sync, false)?;
-        self.sync.update_weight_protocol.parse::<vime_sync::Protocol>()?;
+        if self.sync.update_weight_protocol != "auto" {
+            self.sync.update_weight_protocol.parse::<vime_sync::Protocol>()?;
+        }
         if self.sync.colocate {
             ensure!(
                 self.rollout_engine == "vllm",

@@ -123,7 +123,17 @@ impl Engine {
         let sender = if transport == "disk" {
             None
         } else {
-            let protocol: Protocol = args.update_weight_protocol.parse()?;
+            let protocol = match args.update_weight_protocol.as_str() {
+                "auto" => {
+                    let versions = client.engine_versions()?;
+                    let p = vime_sync::protocol::choose_protocol(&versions, transport)?;
+                    eprintln!(
+                        "vime: engine versions {versions:?}: weight sync over {transport} with the {p:?} protocol"
+                    );
+                    p
+                }
+                other => other.parse::<Protocol>()?,
+            };
             let dtype = if device.is_cuda() { DType::BF16 } else { policy.dtype() };
             let plan = sync_plan(policy, dtype, args.update_weight_buffer_size, BucketRule::CloseBefore)?;
             let master = args.update_weight_master_address.clone();
