@@ -963,16 +963,19 @@ fn reply(r: Result<Value, ApiError>, message: &str) -> Response {
     }
 }
 
-/// `POST /init_weight_transfer_engine {"init_info": {...}}` (400 without `init_info`, as vLLM).
+/// The object under `key` of a weight-transfer body (400 without it, as vLLM).
+fn body_key(body: &[u8], key: &str) -> Result<Value, ApiError> {
+    json_body(body)?
+        .remove(key)
+        .ok_or_else(|| ApiError::bad_request(format!("Missing '{key}' in request body"), Some(key)))
+}
+
+/// `POST /init_weight_transfer_engine {"init_info": {...}}`.
 async fn init_weight_transfer_engine(State(s): State<AppState>, body: Bytes) -> Response {
-    let m = match json_body(&body) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    let Some(info) = m.get("init_info").cloned() else {
-        return ApiError::bad_request("Missing 'init_info' in request body", Some("init_info")).into_response();
-    };
-    reply(weight_op(&s, SyncOp::Init(info)).await, "Weight transfer initialized")
+    match body_key(&body, "init_info") {
+        Ok(info) => reply(weight_op(&s, SyncOp::Init(info)).await, "Weight transfer initialized"),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn start_weight_update(State(s): State<AppState>) -> Response {
@@ -981,14 +984,10 @@ async fn start_weight_update(State(s): State<AppState>) -> Response {
 
 /// `POST /update_weights {"update_info": {...}}`: answers once the engine holds the bucket.
 async fn update_weights(State(s): State<AppState>, body: Bytes) -> Response {
-    let m = match json_body(&body) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    let Some(info) = m.get("update_info").cloned() else {
-        return ApiError::bad_request("Missing 'update_info' in request body", Some("update_info")).into_response();
-    };
-    reply(weight_op(&s, SyncOp::Update(info)).await, "Weights updated")
+    match body_key(&body, "update_info") {
+        Ok(info) => reply(weight_op(&s, SyncOp::Update(info)).await, "Weights updated"),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// `POST /finish_weight_update [{"weight_version": str}]` (vLLM 0.33 takes the version here).

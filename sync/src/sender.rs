@@ -114,11 +114,14 @@ impl SyncReport {
     }
 }
 
+/// Makes a sender's transport: called on the first sync and again after a failed one.
+pub type MakeTransport = Box<dyn Fn() -> Result<Box<dyn Transport>>>;
+
 /// The plan, the transport and whether the engines were initialised.
 pub struct WeightSender {
     plan: SyncPlan,
     transport: Option<Box<dyn Transport>>,
-    make_transport: Box<dyn Fn() -> Result<Box<dyn Transport>>>,
+    make_transport: MakeTransport,
     connected: bool,
     opts: SyncOptions,
 }
@@ -171,7 +174,7 @@ fn same_call(engines: &dyn EngineControl, call: &Call, deadline: Duration, what:
 
 impl WeightSender {
     /// `make_transport` is called on the first sync and again after a failed one.
-    pub fn new(plan: SyncPlan, make_transport: Box<dyn Fn() -> Result<Box<dyn Transport>>>, opts: SyncOptions) -> Self {
+    pub fn new(plan: SyncPlan, make_transport: MakeTransport, opts: SyncOptions) -> Self {
         Self {
             plan,
             transport: None,

@@ -7,15 +7,15 @@
 //! colocated one: the engine sleeps (level 1), wakes its weights, receives, wakes its KV cache.
 use crate::bench::{config_of, random_model};
 use crate::device::parse_device;
-use crate::train::engine::sync_plan;
-use anyhow::{bail, ensure, Context, Result};
+use crate::train::engine::{sync_plan, transport_factory};
+use anyhow::{ensure, Context, Result};
 use candle_core::DType;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 use vime_rollout::vllm::{VllmClient, VllmClientConfig};
 use vime_sync::pack::checksum;
 use vime_sync::protocol::RPC_CHECKSUMS;
-use vime_sync::{BucketRule, Protocol, SyncOptions, Transport, WeightSender};
+use vime_sync::{BucketRule, Protocol, SyncOptions, WeightSender};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchSyncArgs {
@@ -85,24 +85,7 @@ pub fn run(args: &BenchSyncArgs) -> Result<Value> {
         "auto" => vime_sync::protocol::choose_protocol(&client.engine_versions()?, &args.transport)?,
         other => other.parse()?,
     };
-    let dev = device.clone();
-    let make: Box<dyn Fn() -> Result<Box<dyn Transport>>> = match args.transport.as_str() {
-        "ipc" => {
-            #[cfg(feature = "cuda")]
-            {
-                let plan = plan.clone();
-                Box::new(move || -> Result<Box<dyn Transport>> {
-                    Ok(Box::new(vime_sync::sender::IpcTransport::new(&dev, &plan)?))
-                })
-            }
-            #[cfg(not(feature = "cuda"))]
-            bail!("--transport ipc needs a CUDA build")
-        }
-        "nccl" | "cpu" => Box::new(move || -> Result<Box<dyn Transport>> {
-            Ok(Box::new(vime_sync::BroadcastTransport::new("127.0.0.1", &dev)?))
-        }),
-        other => bail!("--transport must be ipc, nccl or cpu, got {other:?}"),
-    };
+    let make = transport_factory(&args.transport, &device, &plan, "127.0.0.1")?;
     let mut sender = WeightSender::new(
         plan.clone(),
         make,

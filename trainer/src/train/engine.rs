@@ -86,6 +86,45 @@ pub fn resolve_transport(args: &SyncArgs, on_gpu: bool) -> Result<&'static str> 
     })
 }
 
+/// What makes the transport `transport` (`ipc`, `nccl`, `cpu`) of a sender on `device`: called on
+/// the first sync and after a failed one. `master_address` is where the engines reach this process
+/// for the CPU rendezvous.
+pub fn transport_factory(
+    transport: &str,
+    device: &candle_core::Device,
+    plan: &SyncPlan,
+    master_address: &str,
+) -> Result<vime_sync::sender::MakeTransport> {
+    let device = device.clone();
+    let master = master_address.to_string();
+    Ok(match transport {
+        "ipc" => {
+            #[cfg(feature = "cuda")]
+            {
+                let plan = plan.clone();
+                Box::new(move || -> Result<Box<dyn Transport>> {
+                    Ok(Box::new(vime_sync::sender::IpcTransport::new(&device, &plan)?))
+                })
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = plan;
+                bail!("the ipc weight transport needs a CUDA build of vime-train")
+            }
+        }
+        "nccl" if !device.is_cuda() => {
+            bail!("the nccl weight transport needs the policy on a GPU (use cpu for a CPU policy)")
+        }
+        "cpu" if device.is_cuda() => {
+            bail!("the cpu weight transport is for a CPU policy; a GPU policy streams over nccl or ipc")
+        }
+        "nccl" | "cpu" => Box::new(move || -> Result<Box<dyn Transport>> {
+            Ok(Box::new(vime_sync::BroadcastTransport::new(&master, &device)?))
+        }),
+        other => bail!("weight transport must be ipc, nccl or cpu, got {other:?}"),
+    })
+}
+
 impl Engine {
     pub fn embedded(policy: &Qwen3, eos_token_ids: Vec<u32>, seed: u64, args: &SyncArgs) -> Result<Self> {
         let mut copy = Qwen3::from_tensors(policy.config().clone(), copy_weights(policy)?)?;
@@ -136,29 +175,7 @@ impl Engine {
             };
             let dtype = if device.is_cuda() { DType::BF16 } else { policy.dtype() };
             let plan = sync_plan(policy, dtype, args.update_weight_buffer_size, BucketRule::CloseBefore)?;
-            let master = args.update_weight_master_address.clone();
-            let make: Box<dyn Fn() -> Result<Box<dyn Transport>>> = match transport {
-                "ipc" => {
-                    #[cfg(feature = "cuda")]
-                    {
-                        let plan = plan.clone();
-                        Box::new(move || -> Result<Box<dyn Transport>> {
-                            Ok(Box::new(vime_sync::sender::IpcTransport::new(&device, &plan)?))
-                        })
-                    }
-                    #[cfg(not(feature = "cuda"))]
-                    bail!("--update-weight-transport ipc needs a CUDA build of vime-train")
-                }
-                "nccl" if !device.is_cuda() => {
-                    bail!("--update-weight-transport nccl needs the policy on a GPU (use cpu for a CPU policy)")
-                }
-                "cpu" if device.is_cuda() => {
-                    bail!("--update-weight-transport cpu is for a CPU policy; a GPU policy streams over nccl or ipc")
-                }
-                _ => Box::new(move || -> Result<Box<dyn Transport>> {
-                    Ok(Box::new(vime_sync::BroadcastTransport::new(&master, &device)?))
-                }),
-            };
+            let make = transport_factory(transport, &device, &plan, &args.update_weight_master_address)?;
             let opts = SyncOptions {
                 protocol,
                 deadline: Duration::from_secs_f64(args.update_weight_timeout),
