@@ -500,3 +500,38 @@ impl Collectives for CpuGroup {
         decode_list(&out)
     }
 }
+
+/// Runs `f(rank, group)` on `n` threads of this process, each a rank of one real CPU-backend group
+/// `name` (TCP through a store served on loopback, sums in rank order); results in rank order, or
+/// the first failing rank's error. What the multi-rank tests of the layers above use.
+pub fn run_threads<T: Send>(
+    n: usize,
+    name: &str,
+    f: impl Fn(usize, &dyn crate::Collectives) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let t = Timeouts::default();
+    let addr = format!("127.0.0.1:{}", crate::launch::free_port()?);
+    let _server = crate::store::StoreServer::bind(&addr, t.heartbeat)?;
+    let members: Vec<usize> = (0..n).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let (f, addr, members) = (&f, &addr, &members);
+                s.spawn(move || -> Result<T> {
+                    let store = StoreClient::connect(addr, r, t.rendezvous)?;
+                    let g = CpuGroup::new(&store, name, members, r, &t)?;
+                    f(r, &g)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(r, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("rank {r} panicked")))
+                    .with_context(|| format!("rank {r}"))
+            })
+            .collect()
+    })
+}

@@ -17,10 +17,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
 use vime_dist::collectives::SingleRank;
-use vime_dist::cpu::CpuGroup;
-use vime_dist::launch::{free_port, Timeouts};
 use vime_dist::layout::LayoutTable;
-use vime_dist::store::{StoreClient, StoreServer};
 use vime_dist::Collectives;
 use vime_kernels::testing::Rng;
 use vime_qwen3::config::Qwen3Config;
@@ -34,30 +31,10 @@ use vime_trainer::optim::{
 // Ranks as threads
 // ------------------------------------------------------------------------------------------
 
-/// Runs `f(rank, group)` on `dp` threads, each rank of a real CPU-backend group (TCP through a
-/// store on loopback, sums in rank order); results in rank order.
+/// Runs `f(rank, group)` on `dp` threads, each rank of a real CPU-backend group; results in rank
+/// order.
 fn run_ranks<T: Send>(dp: usize, f: impl Fn(usize, &dyn Collectives) -> Result<T> + Sync) -> Vec<T> {
-    let t = Timeouts::default();
-    let addr = format!("127.0.0.1:{}", free_port().unwrap());
-    let _server = StoreServer::bind(&addr, t.heartbeat).unwrap();
-    let members: Vec<usize> = (0..dp).collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..dp)
-            .map(|r| {
-                let (f, addr, members) = (&f, &addr, &members);
-                s.spawn(move || -> Result<T> {
-                    let store = StoreClient::connect(addr, r, t.rendezvous)?;
-                    let g = CpuGroup::new(&store, "dp", members, r, &t)?;
-                    f(r, &g)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(r, h)| h.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e:#}")))
-            .collect()
-    })
+    vime_dist::cpu::run_threads(dp, "dp", f).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 // ------------------------------------------------------------------------------------------

@@ -20,3 +20,4 @@ pub mod infer;
 pub mod model;
 mod reference;
 pub mod state_dict;
+pub mod vocab_parallel;

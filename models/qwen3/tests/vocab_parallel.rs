@@ -1,0 +1,168 @@
+//! The vocab-parallel log-prob + entropy (`vime_qwen3::vocab_parallel`) against the unsharded fused
+//! kernel (`vime_kernels::logprobs_entropy`, itself tested against HF and finite differences), at
+//! TP = 1, 2, 3 and 4 on real CPU-backend groups (threads), and against f64 finite differences of
+//! its own through a TP = 2 group: log-probs, entropies, d_hidden (equal on every rank) and the
+//! LM-head gradient (the ranks' slices concatenated).
+use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
+use vime_dist::{Collectives, SingleRank};
+use vime_kernels::testing::{rel_err, Rng};
+use vime_kernels::{logprobs_entropy_backward, logprobs_entropy_saved, IGNORE_TARGET};
+use vime_qwen3::vocab_parallel::{
+    vocab_parallel_logprobs_entropy, vocab_parallel_logprobs_entropy_backward, VocabShard,
+};
+
+struct Case {
+    hidden: Tensor,
+    w: Tensor,
+    targets: Vec<u32>,
+    g_lp: Tensor,
+    g_ent: Tensor,
+}
+
+fn case(t: usize, h: usize, v: usize, dtype: DType, seed: u64) -> Case {
+    let mut rng = Rng::new(seed);
+    let dev = Device::Cpu;
+    let hidden = rng.randn(&[t, h], 1.0, dtype, &dev).unwrap();
+    let w = rng.randn(&[v, h], 0.7, dtype, &dev).unwrap();
+    let mut targets: Vec<u32> = (0..t).map(|_| (rng.next_u64() % v as u64) as u32).collect();
+    targets[1] = IGNORE_TARGET;
+    let acc = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let g_lp = rng.randn(&[t], 1.0, acc, &dev).unwrap();
+    let g_ent = rng.randn(&[t], 1.0, acc, &dev).unwrap();
+    Case {
+        hidden,
+        w,
+        targets,
+        g_lp,
+        g_ent,
+    }
+}
+
+/// One rank's forward and backward: (logp, entropy, d_hidden, d_w slice).
+fn rank_run(c: &Case, g: &dyn Collectives, chunk: usize) -> anyhow::Result<[Tensor; 4]> {
+    let v = c.w.dim(0)?;
+    let shard = VocabShard::new(v, g.rank(), g.size())?;
+    let w = c.w.narrow(0, shard.offset, shard.len)?;
+    let (lp, ent, saved) = vocab_parallel_logprobs_entropy(&c.hidden, &w, &c.targets, &shard, g, chunk)?;
+    let (dh, dw) = vocab_parallel_logprobs_entropy_backward(
+        &c.hidden, &w, &c.targets, &shard, &saved, &c.g_lp, &c.g_ent, g, chunk,
+    )?;
+    Ok([lp, ent, dh, dw])
+}
+
+#[test]
+fn every_tp_size_equals_the_unsharded_kernel() {
+    let c = case(13, 8, 24, DType::F32, 3);
+    let targets: Arc<[u32]> = c.targets.clone().into();
+    let (lp, ent, saved) = logprobs_entropy_saved(&c.hidden, &c.w, &targets, 5).unwrap();
+    let (dh, dw) = logprobs_entropy_backward(&saved, &c.hidden, &c.w, &c.g_lp, &c.g_ent).unwrap();
+    assert_eq!(lp.to_vec1::<f32>().unwrap()[1], 0.0, "the ignored target");
+    for tp in [1usize, 2, 3, 4] {
+        let runs = if tp == 1 {
+            vec![rank_run(&c, &SingleRank::default(), 4).unwrap()]
+        } else {
+            vime_dist::cpu::run_threads(tp, "tp", |_, g| rank_run(&c, g, 4)).unwrap()
+        };
+        for (r, [l, e, h, _]) in runs.iter().enumerate() {
+            assert!(
+                rel_err(l, &lp).unwrap() < 1e-5,
+                "tp {tp} rank {r} logp {}",
+                rel_err(l, &lp).unwrap()
+            );
+            assert!(rel_err(e, &ent).unwrap() < 1e-5, "tp {tp} rank {r} entropy");
+            assert!(
+                rel_err(h, &dh).unwrap() < 1e-5,
+                "tp {tp} rank {r} d_hidden {}",
+                rel_err(h, &dh).unwrap()
+            );
+        }
+        let slices: Vec<Tensor> = runs.iter().map(|x| x[3].clone()).collect();
+        let dw_tp = Tensor::cat(&slices, 0).unwrap();
+        assert!(
+            rel_err(&dw_tp, &dw).unwrap() < 1e-5,
+            "tp {tp} d_lm_head {}",
+            rel_err(&dw_tp, &dw).unwrap()
+        );
+    }
+}
+
+#[test]
+fn the_tp2_gradients_match_f64_finite_differences() {
+    let c = case(5, 4, 6, DType::F64, 11);
+    let objective = |hidden: &Tensor, w: &Tensor| -> f64 {
+        let lw = [hidden.clone(), w.clone()];
+        let out = vime_dist::cpu::run_threads(2, "tp-fd", |_, g| {
+            let c2 = Case {
+                hidden: lw[0].clone(),
+                w: lw[1].clone(),
+                targets: c.targets.clone(),
+                g_lp: c.g_lp.clone(),
+                g_ent: c.g_ent.clone(),
+            };
+            let shard = VocabShard::new(6, g.rank(), 2)?;
+            let ws = c2.w.narrow(0, shard.offset, shard.len)?;
+            let (lp, ent, _) = vocab_parallel_logprobs_entropy(&c2.hidden, &ws, &c2.targets, &shard, g, 2)?;
+            Ok(((lp * &c2.g_lp)?.sum_all()? + (ent * &c2.g_ent)?.sum_all()?)?.to_scalar::<f64>()?)
+        })
+        .unwrap();
+        assert_eq!(out[0], out[1], "every rank computes the same objective");
+        out[0]
+    };
+    let runs = vime_dist::cpu::run_threads(2, "tp", |_, g| rank_run(&c, g, 2)).unwrap();
+    let dh = &runs[0][2];
+    let dw = Tensor::cat(&[runs[0][3].clone(), runs[1][3].clone()], 0).unwrap();
+    let fd = |x: &Tensor, which: usize| -> Tensor {
+        let base: Vec<f64> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let h = 1e-5;
+        let g: Vec<f64> = (0..base.len())
+            .map(|i| {
+                let at = |d: f64| {
+                    let mut v = base.clone();
+                    v[i] += d;
+                    let t = Tensor::from_vec(v, x.shape(), x.device()).unwrap();
+                    if which == 0 {
+                        objective(&t, &c.w)
+                    } else {
+                        objective(&c.hidden, &t)
+                    }
+                };
+                (at(h) - at(-h)) / (2.0 * h)
+            })
+            .collect();
+        Tensor::from_vec(g, x.shape(), x.device()).unwrap()
+    };
+    let (fd_h, fd_w) = (fd(&c.hidden, 0), fd(&c.w, 1));
+    assert!(
+        rel_err(dh, &fd_h).unwrap() < 1e-7,
+        "d_hidden vs FD {}",
+        rel_err(dh, &fd_h).unwrap()
+    );
+    assert!(
+        rel_err(&dw, &fd_w).unwrap() < 1e-7,
+        "d_lm_head vs FD {}",
+        rel_err(&dw, &fd_w).unwrap()
+    );
+}
+
+#[test]
+fn bad_shapes_and_an_uneven_vocabulary_are_named() {
+    let e = format!("{:#}", VocabShard::new(151_937, 0, 2).unwrap_err());
+    assert!(e.contains("151937") && e.contains("(2)"), "{e}");
+    let c = case(4, 8, 24, DType::F32, 5);
+    let shard = VocabShard::new(24, 0, 2).unwrap();
+    let g = SingleRank::default();
+    let e = format!(
+        "{:#}",
+        vocab_parallel_logprobs_entropy(&c.hidden, &c.w, &c.targets, &shard, &g, 4).unwrap_err()
+    );
+    assert!(e.contains("24 rows") && e.contains("12"), "{e}");
+    let w = c.w.narrow(0, 0, 12).unwrap();
+    let mut t = c.targets.clone();
+    t[0] = 99;
+    let e = format!(
+        "{:#}",
+        vocab_parallel_logprobs_entropy(&c.hidden, &w, &t, &shard, &g, 4).unwrap_err()
+    );
+    assert!(e.contains("target 0 is 99"), "{e}");
+}
