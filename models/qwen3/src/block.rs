@@ -16,11 +16,11 @@
 //!   kernel exists), so this is the only training path; candle's autograd over the same math is
 //!   `crate::reference`, a test reference.
 //! - Head counts, head_dim and sizes come from [`BlockCtx`] (the shapes ONE rank sees), never from
-//!   `Qwen3Config`. Today ctx = global. Tensor parallelism will shard q/k/v/gate/up by columns and
-//!   o/down by rows: its collectives go at the two marked hook points of the forward (entry of
-//!   the column-parallel GEMMs, exit of the row-parallel ones) and their duals in the backward;
-//!   the ctx is where a TP group would be carried. The block itself holds tensors, no
-//!   communicator.
+//!   `Qwen3Config`. Tensor parallelism (Megatron's layout) holds q/k/v/gate/up by columns (this
+//!   rank's heads, GQA groups whole) and o/down by rows: the row-parallel outputs are summed over
+//!   the TP group passed to forward/backward (o's bias added once, after), and the backward sums
+//!   the column-parallel input gradients and the q/k norm weight gradients. At TP = 1 no
+//!   collective runs (no copy either). The block holds tensors, no communicator.
 //! - Attention is a strategy ([`Attention`]): packed training over one `cu_seqlens` (saved for the
 //!   backward), or KV-cached decoding (new keys appended to the caller's cache, queries attend to
 //!   cached + new, no backward). A context-parallel variant (gather the keys of the other ranks,
@@ -49,6 +49,7 @@ use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use vime_dist::{Collectives, ReduceOp};
 use vime_kernels::{
     matmul_acc, rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward, varlen_attention,
     varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
@@ -86,6 +87,26 @@ impl BlockCtx {
             rope_theta: cfg.rope_theta,
             kernels,
         }
+    }
+
+    /// The context of one rank at tensor-parallel size `tp`: its share of the query heads, the
+    /// key/value heads (GQA groups stay whole, so `tp` must divide `num_key_value_heads`) and the
+    /// intermediate size; anything that does not divide evenly is an error naming both numbers.
+    pub fn sharded(cfg: &Qwen3Config, kernels: KernelConfig, tp: usize) -> Result<Self> {
+        for (what, n) in [
+            ("num_key_value_heads", cfg.num_key_value_heads),
+            ("num_attention_heads", cfg.num_attention_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ] {
+            if tp == 0 || !n.is_multiple_of(tp) {
+                bail!("the tensor-parallel size ({tp}) must divide {what} ({n})");
+            }
+        }
+        let mut c = Self::new(cfg, kernels);
+        c.q_heads /= tp;
+        c.kv_heads /= tp;
+        c.intermediate /= tp;
+        Ok(c)
     }
 
     pub fn softmax_scale(&self) -> f64 {
@@ -196,6 +217,15 @@ pub(crate) fn linear(x: &Tensor, weight: &Var, bias: Option<&Var>) -> Result<Ten
     })
 }
 
+/// The sum of a partial result over the tensor-parallel group (nothing at all at TP = 1: no copy).
+fn tp_sum(tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
+    if tp.size() == 1 {
+        Ok(t)
+    } else {
+        tp.all_reduce(&t, ReduceOp::Sum)
+    }
+}
+
 /// Adds `g` to the gradient of `name` (the first contribution is stored as is).
 fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
     let g = match grads.remove(&name) {
@@ -208,7 +238,8 @@ fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<
 
 impl Block {
     /// The block's forward with no autograd graph, `x: [T, hidden]` -> `[T, hidden]` at RoPE
-    /// `positions: [T]`; with `save`, also what [`Self::backward`] needs.
+    /// `positions: [T]`; with `save`, also what [`Self::backward`] needs. `tp`: the
+    /// tensor-parallel group whose rank holds these (local) weights.
     pub(crate) fn forward(
         &self,
         ctx: &BlockCtx,
@@ -216,11 +247,12 @@ impl Block {
         positions: &Arc<[u32]>,
         attention: &Attention<'_>,
         save: bool,
+        tp: &dyn Collectives,
     ) -> Result<(Tensor, Option<Saved>)> {
         let t = x.dim(0)?;
         let (d, eps) = (ctx.head_dim, ctx.eps);
         let h1 = rms_norm(x, &dw(&self.input_norm), eps)?;
-        // TP hook: entry of the column-parallel q/k/v (identity forward, all-reduce of dh1 back).
+        // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
         let q = linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?;
         let k = linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let v = linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
@@ -228,15 +260,20 @@ impl Block {
         let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
         let (attn, attn_saved) = attention.run(self.index, ctx, &qr, &kr, &v, save)?;
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
-        // TP hook: exit of the row-parallel o_proj (all-reduce of its output; its bias after).
-        let x2 = (x + linear(&a2, &self.o_proj, self.o_bias.as_ref())?)?;
+        // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
+        let o = tp_sum(tp, linear(&a2, &self.o_proj, None)?)?;
+        let o = match &self.o_bias {
+            Some(b) => o.broadcast_add(&dw(b))?,
+            None => o,
+        };
+        let x2 = (x + o)?;
         let h2 = rms_norm(&x2, &dw(&self.post_norm), eps)?;
-        // TP hook: entry of the column-parallel gate/up.
+        // Column-parallel gate/up (this rank's share of the intermediate size).
         let gate = linear(&h2, &self.gate_proj, None)?;
         let up = linear(&h2, &self.up_proj, None)?;
         let act = swiglu(&gate, &up)?;
-        // TP hook: exit of the row-parallel down_proj.
-        let y = (&x2 + linear(&act, &self.down_proj, None)?)?;
+        // Row-parallel down_proj, summed over TP.
+        let y = (&x2 + tp_sum(tp, linear(&act, &self.down_proj, None)?)?)?;
         let Some(attn_saved) = attn_saved else {
             return Ok((y, None));
         };
@@ -260,14 +297,18 @@ impl Block {
         Ok((y, Some(saved)))
     }
 
-    /// The backward from `dy = dL/dy`: adds the parameter gradients to `grads` (by HF name) and
-    /// returns `dL/dx`. The TP duals of the forward's hooks would sit at the same boundaries.
+    /// The backward from `dy = dL/dy`: adds the parameter gradients to `grads` (by HF name; the
+    /// local shards under TP) and returns `dL/dx`. Under TP the duals of the forward's
+    /// collectives: the input gradients of the column-parallel layers (`dh1`, `dh2`) are summed
+    /// over the group, and so are the `q_norm` / `k_norm` weight gradients (partial over this
+    /// rank's heads); everything else is local or already replicated.
     pub(crate) fn backward(
         &self,
         ctx: &BlockCtx,
         s: Saved,
         dy: &Tensor,
         grads: &mut BTreeMap<String, Tensor>,
+        tp: &dyn Collectives,
     ) -> Result<Tensor> {
         let t = dy.dim(0)?;
         let (nh, nkv, d, eps) = (ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.eps);
@@ -285,7 +326,10 @@ impl Block {
         drop(ds);
         put(grads, name("mlp.gate_proj.weight"), wgrad(&dg, h2)?)?;
         put(grads, name("mlp.up_proj.weight"), wgrad(&du, h2)?)?;
-        let dh2 = matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?;
+        let dh2 = tp_sum(
+            tp,
+            matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?,
+        )?;
         drop((dg, du));
         let (dx2n, dwpost) = rms_norm_backward(&s.x2, &dw(&self.post_norm), eps, &dh2)?;
         put(grads, name("post_attention_layernorm.weight"), dwpost)?;
@@ -312,8 +356,8 @@ impl Block {
             eps,
             &rope_backward(&dkr, &s.positions, ctx.rope_theta)?,
         )?;
-        put(grads, name("self_attn.q_norm.weight"), dwqn)?;
-        put(grads, name("self_attn.k_norm.weight"), dwkn)?;
+        put(grads, name("self_attn.q_norm.weight"), tp_sum(tp, dwqn)?)?;
+        put(grads, name("self_attn.k_norm.weight"), tp_sum(tp, dwkn)?)?;
         let dq = dq.reshape((t, nh * d))?;
         let dk = dk.reshape((t, nkv * d))?;
         let dv = dv.reshape((t, nkv * d))?;
@@ -333,7 +377,7 @@ impl Block {
             }
         }
         let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
-        let dh1 = matmul_acc(dh1, &dv, &dw(&self.v_proj))?;
+        let dh1 = tp_sum(tp, matmul_acc(dh1, &dv, &dw(&self.v_proj))?)?;
         let (dxn, dwin) = rms_norm_backward(&s.x, &dw(&self.input_norm), eps, &dh1)?;
         put(grads, name("input_layernorm.weight"), dwin)?;
         Ok((dx2 + dxn)?)
@@ -361,5 +405,162 @@ impl Block {
         .into_iter()
         .flatten()
         .collect()
+    }
+}
+
+/// Tensor parallelism of one block on real CPU-backend groups (threads): TP = 2 and 4, with q/k/v
+/// biases, against the same block at TP = 1, per output and per parameter gradient (the ranks'
+/// shards concatenated along their split dim; replicated gradients equal on every rank).
+#[cfg(test)]
+mod tp_tests {
+    use super::*;
+    use crate::state_dict::layer_param_specs;
+    use candle_core::{DType, Device};
+    use vime_dist::layout::{LayoutEntry, LayoutTable};
+    use vime_dist::SingleRank;
+    use vime_kernels::testing::{rel_err, Rng};
+
+    fn cfg() -> Qwen3Config {
+        let mut c = Qwen3Config::preset("qwen3-0.6b").unwrap();
+        c.hidden_size = 16;
+        c.intermediate_size = 24;
+        c.num_attention_heads = 8;
+        c.num_key_value_heads = 4;
+        c.head_dim = 4;
+        c.attention_bias = true;
+        c
+    }
+
+    fn global_tensors(c: &Qwen3Config) -> BTreeMap<String, Tensor> {
+        let mut rng = Rng::new(9);
+        layer_param_specs(c, 0)
+            .into_iter()
+            .map(|s| {
+                let t = rng.randn(&s.shape, 0.3, DType::F32, &Device::Cpu).unwrap();
+                let t = if s.name.ends_with("norm.weight") {
+                    (t + 1.0).unwrap()
+                } else {
+                    t
+                };
+                (s.name, t)
+            })
+            .collect()
+    }
+
+    fn block_of(m: &BTreeMap<String, Tensor>) -> Block {
+        let get = |n: &str| Var::from_tensor(&m[&format!("model.layers.0.{n}")]).unwrap();
+        let opt = |n: &str| {
+            m.get(&format!("model.layers.0.{n}"))
+                .map(|t| Var::from_tensor(t).unwrap())
+        };
+        Block {
+            index: 0,
+            input_norm: get("input_layernorm.weight"),
+            q_proj: get("self_attn.q_proj.weight"),
+            k_proj: get("self_attn.k_proj.weight"),
+            v_proj: get("self_attn.v_proj.weight"),
+            o_proj: get("self_attn.o_proj.weight"),
+            q_bias: opt("self_attn.q_proj.bias"),
+            k_bias: opt("self_attn.k_proj.bias"),
+            v_bias: opt("self_attn.v_proj.bias"),
+            o_bias: opt("self_attn.o_proj.bias"),
+            q_norm: get("self_attn.q_norm.weight"),
+            k_norm: get("self_attn.k_norm.weight"),
+            post_norm: get("post_attention_layernorm.weight"),
+            gate_proj: get("mlp.gate_proj.weight"),
+            up_proj: get("mlp.up_proj.weight"),
+            down_proj: get("mlp.down_proj.weight"),
+        }
+    }
+
+    fn table(c: &Qwen3Config, rank: usize, tp: usize) -> LayoutTable {
+        let entries = layer_param_specs(c, 0)
+            .into_iter()
+            .map(|s| LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
+            .collect();
+        LayoutTable::new(entries, rank, tp).unwrap()
+    }
+
+    type Run = (Tensor, Tensor, BTreeMap<String, Tensor>);
+
+    /// Forward + backward of rank `tp.rank()`'s shard: (y, dx, local gradients).
+    fn run(
+        c: &Qwen3Config,
+        g: &BTreeMap<String, Tensor>,
+        x: &Tensor,
+        dy: &Tensor,
+        tp: &dyn Collectives,
+    ) -> Result<Run> {
+        let (r, n) = (tp.rank(), tp.size());
+        let t = table(c, r, n);
+        let local: BTreeMap<String, Tensor> = g
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), t.local_shard(k, v)?)))
+            .collect::<Result<_>>()?;
+        let block = block_of(&local);
+        let ctx = BlockCtx::sharded(c, KernelConfig::default(), n)?;
+        let cu: Arc<[u32]> = vec![0u32, 4, 10].into();
+        let positions: Arc<[u32]> = vec![0u32, 1, 2, 3, 0, 1, 2, 3, 4, 5].into();
+        let att = Attention::Packed { cu_seqlens: &cu };
+        let (y, saved) = block.forward(&ctx, x, &positions, &att, true, tp)?;
+        let mut grads = BTreeMap::new();
+        let dx = block.backward(&ctx, saved.unwrap(), dy, &mut grads, tp)?;
+        Ok((y, dx, grads))
+    }
+
+    #[test]
+    fn a_tp_size_that_splits_a_gqa_group_is_refused() {
+        let e = format!(
+            "{:#}",
+            BlockCtx::sharded(&cfg(), KernelConfig::default(), 8).unwrap_err()
+        );
+        assert!(e.contains("(8)") && e.contains("num_key_value_heads (4)"), "{e}");
+        let e = format!(
+            "{:#}",
+            BlockCtx::sharded(&cfg(), KernelConfig::default(), 0).unwrap_err()
+        );
+        assert!(e.contains("(0)"), "{e}");
+    }
+
+    #[test]
+    fn tp2_and_tp4_equal_tp1_per_output_and_gradient() {
+        let c = cfg();
+        let g = global_tensors(&c);
+        let mut rng = Rng::new(4);
+        let x = rng.randn(&[10, 16], 1.0, DType::F32, &Device::Cpu).unwrap();
+        let dy = rng.randn(&[10, 16], 1.0, DType::F32, &Device::Cpu).unwrap();
+        let (y1, dx1, g1) = run(&c, &g, &x, &dy, &SingleRank::default()).unwrap();
+        for tp in [2usize, 4] {
+            let runs = vime_dist::cpu::run_threads(tp, "tp", |_, grp| run(&c, &g, &x, &dy, grp)).unwrap();
+            let t0 = table(&c, 0, tp);
+            for (r, (y, dx, _)) in runs.iter().enumerate() {
+                assert!(
+                    rel_err(y, &y1).unwrap() < 1e-5,
+                    "tp {tp} rank {r} y {}",
+                    rel_err(y, &y1).unwrap()
+                );
+                assert!(
+                    rel_err(dx, &dx1).unwrap() < 1e-5,
+                    "tp {tp} rank {r} dx {}",
+                    rel_err(dx, &dx1).unwrap()
+                );
+            }
+            assert_eq!(g1.len(), runs[0].2.len());
+            for (name, want) in &g1 {
+                let placement = t0.get(name).unwrap().entry.placement;
+                let got = match placement.split_dim() {
+                    Some(d) => Tensor::cat(&runs.iter().map(|x| x.2[name].clone()).collect::<Vec<_>>(), d).unwrap(),
+                    None => {
+                        for (r, x) in runs.iter().enumerate() {
+                            let e = rel_err(&x.2[name], &runs[0].2[name]).unwrap();
+                            assert!(e < 1e-6, "tp {tp}: replicated {name} differs on rank {r} ({e})");
+                        }
+                        runs[0].2[name].clone()
+                    }
+                };
+                let e = rel_err(&got, want).unwrap();
+                assert!(e < 1e-5, "tp {tp}: gradient of {name} ({placement:?}) off by {e}");
+            }
+        }
     }
 }

@@ -261,7 +261,16 @@ impl Qwen3 {
             cu_seqlens_k: &cu_k,
         };
         for b in &self.blocks {
-            x = b.forward(self.block_ctx(), &x, &positions, &attention, false)?.0;
+            x = b
+                .forward(
+                    self.block_ctx(),
+                    &x,
+                    &positions,
+                    &attention,
+                    false,
+                    &vime_dist::SingleRank::default(),
+                )?
+                .0;
         }
         for (&(slot, toks), &p) in seqs.iter().zip(&past) {
             cache.slots.get_mut(&slot).expect("reserved above").len = p + toks.len();

@@ -28,6 +28,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
+use vime_dist::SingleRank;
 use vime_kernels::{
     logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, rms_norm, rms_norm_backward, KernelConfig,
 };
@@ -296,7 +297,15 @@ impl Qwen3 {
         let attention = Attention::Packed {
             cu_seqlens: &batch.cu_seqlens,
         };
-        Ok(b.forward(&self.ctx, x, &batch.position_ids, &attention, false)?.0)
+        Ok(b.forward(
+            &self.ctx,
+            x,
+            &batch.position_ids,
+            &attention,
+            false,
+            &SingleRank::default(),
+        )?
+        .0)
     }
 
     /// Final-normed hidden states `[T, hidden]`, no gradient tracking.
@@ -371,7 +380,14 @@ impl Qwen3 {
         let mut saved: Vec<Option<crate::block::Saved>> = Vec::with_capacity(self.blocks.len());
         let mut x = self.embed_tokens(batch, false)?;
         for b in &self.blocks {
-            let (y, s) = b.forward(&self.ctx, &x, &batch.position_ids, &attention, keep)?;
+            let (y, s) = b.forward(
+                &self.ctx,
+                &x,
+                &batch.position_ids,
+                &attention,
+                keep,
+                &SingleRank::default(),
+            )?;
             if keep {
                 saved.push(s);
                 x = y;
@@ -392,11 +408,18 @@ impl Qwen3 {
             let s = match saved.get_mut(i).and_then(Option::take) {
                 Some(s) => s,
                 None => b
-                    .forward(&self.ctx, &inputs[i], &batch.position_ids, &attention, true)?
+                    .forward(
+                        &self.ctx,
+                        &inputs[i],
+                        &batch.position_ids,
+                        &attention,
+                        true,
+                        &SingleRank::default(),
+                    )?
                     .1
                     .expect("a saving forward saves"),
             };
-            g = b.backward(&self.ctx, s, &g, &mut params)?;
+            g = b.backward(&self.ctx, s, &g, &mut params, &SingleRank::default())?;
         }
 
         // Embedding.
