@@ -28,7 +28,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
 use std::collections::BTreeMap;
 use std::path::Path;
-use vime_dist::SingleRank;
+use vime_dist::{Collectives, ReduceOp, SingleRank};
 use vime_kernels::{
     logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, rms_norm, rms_norm_backward, KernelConfig,
 };
@@ -84,8 +84,30 @@ pub struct Qwen3 {
     logits_chunk_tokens: usize,
     /// The blocks' local dims and kernel choice.
     ctx: BlockCtx,
+    /// This model's tensor-parallel rank and size (its tensors are that rank's shards).
+    tp: TpPlace,
     /// `false` switches `forward_backward*` to the test reference (`crate::reference`).
     explicit_backward: bool,
+}
+
+/// A vocab-parallel embedding lookup's local ids (0 where another rank holds the id) and the 0/1
+/// mask of the rows this rank looked up, `[T, 1]`.
+struct EmbedLocal {
+    ids: Vec<u32>,
+    mask: Tensor,
+}
+
+/// Where a model's shards sit in tensor parallelism: rank `rank` of `size` (0 of 1 unsharded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpPlace {
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Default for TpPlace {
+    fn default() -> Self {
+        Self { rank: 0, size: 1 }
+    }
 }
 
 /// Weights as plain tensors: tracked (part of the autograd graph) or detached (no graph at all).
@@ -99,22 +121,42 @@ pub(crate) fn w(v: &Var, track: bool) -> Tensor {
 
 impl Qwen3 {
     /// Builds the model from HF-named tensors (as `checkpoint::load_hf_weights` returns them).
-    pub fn from_tensors(cfg: Qwen3Config, mut tensors: BTreeMap<String, Tensor>) -> Result<Self> {
+    pub fn from_tensors(cfg: Qwen3Config, tensors: BTreeMap<String, Tensor>) -> Result<Self> {
+        Self::from_shards(cfg, tensors, TpPlace::default())
+    }
+
+    /// The shard of tensor-parallel rank `tp.rank` of `tp.size` from its local tensors (HF names,
+    /// Megatron's split of each: `vime_dist::layout`, e.g. `LayoutTable::local_shard` of the
+    /// global ones). Its training and scoring methods take that rank's TP group.
+    pub fn from_shards(cfg: Qwen3Config, mut tensors: BTreeMap<String, Tensor>, tp: TpPlace) -> Result<Self> {
         cfg.validate()?;
+        let ctx = BlockCtx::sharded(&cfg, KernelConfig::default(), tp.size)?;
+        crate::vocab_parallel::VocabShard::new(cfg.vocab_size, tp.rank, tp.size)?;
+        let table = vime_dist::layout::LayoutTable::new(
+            param_specs(&cfg)
+                .into_iter()
+                .map(|s| vime_dist::layout::LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
+                .collect(),
+            tp.rank,
+            tp.size,
+        )?;
         let mut params = Vec::new();
-        for spec in param_specs(&cfg) {
-            let t = tensors
-                .remove(&spec.name)
-                .ok_or_else(|| anyhow!("missing tensor {}", spec.name))?;
-            if t.dims() != spec.shape.as_slice() {
+        for p in table.entries() {
+            let name = &p.entry.name;
+            let t = tensors.remove(name).ok_or_else(|| anyhow!("missing tensor {name}"))?;
+            if t.dims() != p.local_shape.as_slice() {
                 bail!(
-                    "tensor {}: expected shape {:?}, found {:?}",
-                    spec.name,
-                    spec.shape,
+                    "tensor {name}: expected shape {:?}{}, found {:?}",
+                    p.local_shape,
+                    if tp.size > 1 {
+                        format!(" (TP rank {} of {})", tp.rank, tp.size)
+                    } else {
+                        String::new()
+                    },
                     t.dims()
                 );
             }
-            params.push((spec.name, Var::from_tensor(&t.contiguous()?)?));
+            params.push((name.clone(), Var::from_tensor(&t.contiguous()?)?));
         }
         if let Some(extra) = tensors.keys().next() {
             bail!("unexpected tensor {extra} for this config");
@@ -164,7 +206,6 @@ impl Qwen3 {
         } else {
             ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096)
         };
-        let ctx = BlockCtx::new(&cfg, KernelConfig::default());
         Ok(Self {
             cfg,
             embed,
@@ -174,6 +215,7 @@ impl Qwen3 {
             params,
             logits_chunk_tokens,
             ctx,
+            tp,
             explicit_backward: true,
         })
     }
@@ -292,6 +334,51 @@ impl Qwen3 {
         Ok(w(&self.embed, track).embedding(&ids)?)
     }
 
+    /// This rank's vocabulary slice.
+    fn vocab_shard(&self) -> Result<crate::vocab_parallel::VocabShard> {
+        crate::vocab_parallel::VocabShard::new(self.cfg.vocab_size, self.tp.rank, self.tp.size)
+    }
+
+    /// Checks that `tp` is the group this model's shards belong to.
+    fn check_tp(&self, tp: &dyn Collectives) -> Result<()> {
+        if tp.size() != self.tp.size || tp.rank() != self.tp.rank {
+            bail!(
+                "the model holds the shards of TP rank {} of {}, but the group given is rank {} of {}",
+                self.tp.rank,
+                self.tp.size,
+                tp.rank(),
+                tp.size()
+            );
+        }
+        Ok(())
+    }
+
+    /// The vocab-parallel embedding: each rank looks up the ids of its slice (zeros for the
+    /// others), summed over TP. Also returns the local ids and the 0/1 row mask the backward uses.
+    fn embed_tokens_tp(&self, batch: &PackedBatch, tp: &dyn Collectives) -> Result<(Tensor, Option<EmbedLocal>)> {
+        if tp.size() == 1 {
+            return Ok((self.embed_tokens(batch, false)?, None));
+        }
+        let shard = self.vocab_shard()?;
+        let (local, mask): (Vec<u32>, Vec<f32>) = batch
+            .input_ids
+            .iter()
+            .map(|&id| {
+                let id = id as usize;
+                if id >= shard.offset && id < shard.offset + shard.len {
+                    ((id - shard.offset) as u32, 1.0)
+                } else {
+                    (0, 0.0)
+                }
+            })
+            .unzip();
+        let n = local.len();
+        let ids = Tensor::from_slice(&local, n, self.device())?;
+        let mask = Tensor::from_vec(mask, (n, 1), self.device())?.to_dtype(self.dtype())?;
+        let x = w(&self.embed, false).embedding(&ids)?.broadcast_mul(&mask)?;
+        Ok((tp.all_reduce(&x, ReduceOp::Sum)?, Some(EmbedLocal { ids: local, mask })))
+    }
+
     /// One block's forward over a packed batch, no gradient tracking, nothing saved.
     pub(crate) fn block_forward(&self, b: &Block, x: &Tensor, batch: &PackedBatch) -> Result<Tensor> {
         let attention = Attention::Packed {
@@ -310,10 +397,19 @@ impl Qwen3 {
 
     /// Final-normed hidden states `[T, hidden]`, no gradient tracking.
     pub fn hidden_states(&self, batch: &PackedBatch) -> Result<Tensor> {
+        self.hidden_states_tp(batch, &SingleRank::default())
+    }
+
+    /// [`Self::hidden_states`] of a tensor-parallel shard, with its TP group (replicated result).
+    pub fn hidden_states_tp(&self, batch: &PackedBatch, tp: &dyn Collectives) -> Result<Tensor> {
         self.check_batch(batch)?;
-        let mut x = self.embed_tokens(batch, false)?;
+        self.check_tp(tp)?;
+        let mut x = self.embed_tokens_tp(batch, tp)?.0;
+        let attention = Attention::Packed {
+            cu_seqlens: &batch.cu_seqlens,
+        };
         for b in &self.blocks {
-            x = self.block_forward(b, &x, batch)?;
+            x = b.forward(&self.ctx, &x, &batch.position_ids, &attention, false, tp)?.0;
         }
         Ok(rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?)
     }
@@ -327,7 +423,24 @@ impl Qwen3 {
 
     /// Per-token log-probs of the next token and entropies, no gradient tracking.
     pub fn logprobs_entropy(&self, batch: &PackedBatch) -> Result<TokenOutputs> {
-        let h = self.hidden_states(batch)?;
+        self.logprobs_entropy_tp(batch, &SingleRank::default())
+    }
+
+    /// [`Self::logprobs_entropy`] of a tensor-parallel shard (vocab-parallel LM head); equal on
+    /// every rank of `tp`.
+    pub fn logprobs_entropy_tp(&self, batch: &PackedBatch, tp: &dyn Collectives) -> Result<TokenOutputs> {
+        let h = self.hidden_states_tp(batch, tp)?;
+        if tp.size() > 1 {
+            let (logprobs, entropy, _) = crate::vocab_parallel::vocab_parallel_logprobs_entropy(
+                &h,
+                &self.lm_head_weight(false),
+                &batch.targets,
+                &self.vocab_shard()?,
+                tp,
+                self.logits_chunk_tokens,
+            )?;
+            return Ok(TokenOutputs { logprobs, entropy });
+        }
         let (logprobs, entropy) = logprobs_entropy(
             &h,
             &self.lm_head_weight(false),
@@ -345,7 +458,19 @@ impl Qwen3 {
         recompute: Recompute,
         loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)))
+        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), &SingleRank::default())
+    }
+
+    /// [`Self::forward_backward`] of a tensor-parallel shard with its TP group: the loss is the
+    /// same on every rank, each rank's gradients are of its own shards (by HF name).
+    pub fn forward_backward_tp(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
+        tp: &dyn Collectives,
+    ) -> Result<(f64, Gradients)> {
+        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp)
     }
 
     /// The general form: `head` maps the final-normed hidden states `[T, hidden]` (tracked) to a
@@ -357,7 +482,7 @@ impl Qwen3 {
         recompute: Recompute,
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)))
+        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), &SingleRank::default())
     }
 
     fn forward_backward_impl(
@@ -365,9 +490,14 @@ impl Qwen3 {
         batch: &PackedBatch,
         recompute: Recompute,
         head: Head<'_>,
+        tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
+        self.check_tp(tp)?;
         if !self.explicit_backward {
+            if tp.size() > 1 {
+                bail!("the autograd reference has no tensor parallelism");
+            }
             return crate::reference::forward_backward(self, batch, recompute, head);
         }
         let keep = recompute == Recompute::None;
@@ -378,16 +508,9 @@ impl Qwen3 {
         // `inputs[l]` holds only the block's input.
         let mut inputs: Vec<Tensor> = Vec::with_capacity(self.blocks.len());
         let mut saved: Vec<Option<crate::block::Saved>> = Vec::with_capacity(self.blocks.len());
-        let mut x = self.embed_tokens(batch, false)?;
+        let (mut x, embed_local) = self.embed_tokens_tp(batch, tp)?;
         for b in &self.blocks {
-            let (y, s) = b.forward(
-                &self.ctx,
-                &x,
-                &batch.position_ids,
-                &attention,
-                keep,
-                &SingleRank::default(),
-            )?;
+            let (y, s) = b.forward(&self.ctx, &x, &batch.position_ids, &attention, keep, tp)?;
             if keep {
                 saved.push(s);
                 x = y;
@@ -399,7 +522,7 @@ impl Qwen3 {
         // Head: final norm + the caller's loss.
         let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
         let (loss_value, mut g, head_grads, tied_head_grad) = match head {
-            Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params)?,
+            Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params, tp)?,
             head => self.autograd_head(&x, batch, head, &mut params)?,
         };
 
@@ -408,22 +531,25 @@ impl Qwen3 {
             let s = match saved.get_mut(i).and_then(Option::take) {
                 Some(s) => s,
                 None => b
-                    .forward(
-                        &self.ctx,
-                        &inputs[i],
-                        &batch.position_ids,
-                        &attention,
-                        true,
-                        &SingleRank::default(),
-                    )?
+                    .forward(&self.ctx, &inputs[i], &batch.position_ids, &attention, true, tp)?
                     .1
                     .expect("a saving forward saves"),
             };
-            g = b.backward(&self.ctx, s, &g, &mut params, &SingleRank::default())?;
+            g = b.backward(&self.ctx, s, &g, &mut params, tp)?;
         }
 
-        // Embedding.
-        let ge = vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?;
+        // Embedding (under TP: this rank's vocabulary rows; the other ranks' rows are masked out).
+        let ge = match &embed_local {
+            None => {
+                vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?
+            }
+            Some(EmbedLocal { ids, mask }) => vime_kernels::embedding_backward(
+                ids,
+                &g.broadcast_mul(&mask.to_dtype(g.dtype())?)?,
+                self.vocab_shard()?.len,
+                tied_head_grad.as_ref(),
+            )?,
+        };
         params.insert("model.embed_tokens.weight".to_string(), ge);
         Ok((
             loss_value,
@@ -536,12 +662,34 @@ impl Qwen3 {
         batch: &PackedBatch,
         loss_fn: LossFn<'_>,
         params: &mut BTreeMap<String, Tensor>,
+        tp: &dyn Collectives,
     ) -> Result<(f64, Tensor, GradStore, Option<Tensor>)> {
         let eps = self.cfg.rms_norm_eps;
         let norm_w = w(&self.norm, false);
         let hn = rms_norm(x, &norm_w, eps)?;
         let wlm = self.lm_head_weight(false);
-        let (lp, ent, saved) = logprobs_entropy_saved(&hn, &wlm, &batch.targets, self.logits_chunk_tokens)?;
+        enum HeadSaved {
+            Whole(vime_kernels::LmHeadSaved),
+            Vocab(
+                crate::vocab_parallel::VocabParallelSaved,
+                crate::vocab_parallel::VocabShard,
+            ),
+        }
+        let (lp, ent, saved) = if tp.size() > 1 {
+            let shard = self.vocab_shard()?;
+            let (lp, ent, s) = crate::vocab_parallel::vocab_parallel_logprobs_entropy(
+                &hn,
+                &wlm,
+                &batch.targets,
+                &shard,
+                tp,
+                self.logits_chunk_tokens,
+            )?;
+            (lp, ent, HeadSaved::Vocab(s, shard))
+        } else {
+            let (lp, ent, s) = logprobs_entropy_saved(&hn, &wlm, &batch.targets, self.logits_chunk_tokens)?;
+            (lp, ent, HeadSaved::Whole(s))
+        };
         let (lpv, entv) = (Var::from_tensor(&lp)?, Var::from_tensor(&ent)?);
         let loss = loss_fn(&TokenOutputs {
             logprobs: lpv.as_tensor().clone(),
@@ -557,7 +705,20 @@ impl Qwen3 {
             Some(d) => d,
             None => ent.zeros_like()?,
         };
-        let (dhn, dwlm) = logprobs_entropy_backward(&saved, &hn, &wlm, &dlp, &dent)?;
+        let (dhn, dwlm) = match &saved {
+            HeadSaved::Whole(s) => logprobs_entropy_backward(s, &hn, &wlm, &dlp, &dent)?,
+            HeadSaved::Vocab(s, shard) => crate::vocab_parallel::vocab_parallel_logprobs_entropy_backward(
+                &hn,
+                &wlm,
+                &batch.targets,
+                shard,
+                s,
+                &dlp,
+                &dent,
+                tp,
+                self.logits_chunk_tokens,
+            )?,
+        };
         drop(saved);
         let (g, dnorm) = rms_norm_backward(x, &norm_w, eps, &dhn)?;
         params.insert("model.norm.weight".to_string(), dnorm);

@@ -1,0 +1,163 @@
+//! The whole model under tensor parallelism (no sequence parallelism yet) on real CPU-backend groups
+//! (threads), against the same model at TP = 1, on the HF fixtures (tied embeddings + GQA; untied
+//! with q/k/v/o biases) at TP = 2 and a random model with 4 KV heads at TP = 4: log-probs and
+//! entropy (scoring), the loss, and every parameter gradient of a forward_backward, compared by HF
+//! name (sharded gradients concatenated along their split dim; replicated ones equal on every
+//! rank). f32; tolerance 2e-5 relative to the largest element (the sums run in another order).
+use candle_core::{DType, Device, Tensor};
+use std::collections::BTreeMap;
+use std::path::Path;
+use vime_dist::layout::{LayoutEntry, LayoutTable};
+use vime_dist::{Collectives, SingleRank};
+use vime_kernels::testing::{rel_err, Rng};
+use vime_qwen3::batch::PackedBatch;
+use vime_qwen3::checkpoint::{load_config, load_hf_weights};
+use vime_qwen3::config::Qwen3Config;
+use vime_qwen3::model::{Qwen3, Recompute, TokenOutputs, TpPlace};
+use vime_qwen3::state_dict::param_specs;
+
+const TOL: f64 = 2e-5;
+
+fn table(cfg: &Qwen3Config, rank: usize, tp: usize) -> LayoutTable {
+    let e = param_specs(cfg)
+        .into_iter()
+        .map(|s| LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
+        .collect();
+    LayoutTable::new(e, rank, tp).unwrap()
+}
+
+fn shards(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, rank: usize, tp: usize) -> Qwen3 {
+    let t = table(cfg, rank, tp);
+    let local = global
+        .iter()
+        .map(|(n, g)| (n.clone(), t.local_shard(n, g).unwrap()))
+        .collect();
+    Qwen3::from_shards(cfg.clone(), local, TpPlace { rank, size: tp }).unwrap()
+}
+
+fn batch() -> PackedBatch {
+    PackedBatch::from_sequences(&[
+        vec![3u32, 7, 9, 11, 4, 5, 6],
+        vec![8, 2, 30],
+        vec![12, 13, 14, 15, 16, 60],
+    ])
+    .unwrap()
+}
+
+/// A loss over every log-prob and entropy with fixed random weights.
+fn loss(o: &TokenOutputs) -> anyhow::Result<Tensor> {
+    let n = o.logprobs.dim(0)?;
+    let r1 = Rng::new(1).randn(&[n], 1.0, o.logprobs.dtype(), o.logprobs.device())?;
+    let r2 = Rng::new(2).randn(&[n], 0.5, o.entropy.dtype(), o.entropy.device())?;
+    Ok(((&o.logprobs * r1)?.sum_all()? + (&o.entropy * r2)?.sum_all()?)?)
+}
+
+type Out = (Tensor, Tensor, f64, BTreeMap<String, Tensor>);
+
+fn run(m: &Qwen3, tp: &dyn Collectives) -> anyhow::Result<Out> {
+    let b = batch();
+    let o = m.logprobs_entropy_tp(&b, tp)?;
+    let (l, g) = m.forward_backward_tp(&b, Recompute::None, loss, tp)?;
+    // Full recompute gives the same gradients.
+    let (l2, g2) = m.forward_backward_tp(&b, Recompute::Full, loss, tp)?;
+    anyhow::ensure!(l == l2, "recompute changed the loss");
+    for (n, t) in &g.params {
+        anyhow::ensure!(rel_err(&g2.params[n], t)? < 1e-6, "recompute changed {n}");
+    }
+    Ok((o.logprobs, o.entropy, l, g.params))
+}
+
+fn check(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize) {
+    let whole = Qwen3::from_tensors(cfg.clone(), global.clone()).unwrap();
+    let (lp1, ent1, l1, g1) = run(&whole, &SingleRank::default()).unwrap();
+    let runs = vime_dist::cpu::run_threads(tp, "tp", |r, g| run(&shards(cfg, global, r, tp), g)).unwrap();
+    let t0 = table(cfg, 0, tp);
+    for (r, (lp, ent, l, _)) in runs.iter().enumerate() {
+        assert!(
+            rel_err(lp, &lp1).unwrap() < TOL,
+            "tp {tp} rank {r} logprobs {}",
+            rel_err(lp, &lp1).unwrap()
+        );
+        assert!(rel_err(ent, &ent1).unwrap() < TOL, "tp {tp} rank {r} entropy");
+        assert!(
+            (l - l1).abs() <= TOL * l1.abs().max(1.0),
+            "tp {tp} rank {r} loss {l} vs {l1}"
+        );
+    }
+    assert_eq!(runs[0].3.len(), g1.len());
+    for (name, want) in &g1 {
+        let place = t0.get(name).unwrap().entry.placement;
+        let got = match place.split_dim() {
+            Some(d) => Tensor::cat(&runs.iter().map(|x| x.3[name].clone()).collect::<Vec<_>>(), d).unwrap(),
+            None => {
+                for (r, x) in runs.iter().enumerate() {
+                    let e = rel_err(&x.3[name], &runs[0].3[name]).unwrap();
+                    assert!(e < 1e-6, "tp {tp}: replicated {name} differs on rank {r} ({e})");
+                }
+                runs[0].3[name].clone()
+            }
+        };
+        let e = rel_err(&got.to_dtype(DType::F32).unwrap(), &want.to_dtype(DType::F32).unwrap()).unwrap();
+        assert!(e < TOL, "tp {tp}: gradient of {name} ({place:?}) off by {e}");
+    }
+}
+
+fn fixture(name: &str) -> (Qwen3Config, BTreeMap<String, Tensor>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/hf")
+        .join(name);
+    let cfg = load_config(&dir).unwrap();
+    let w = load_hf_weights(&dir, &cfg, DType::F32, &Device::Cpu).unwrap();
+    (cfg, w)
+}
+
+#[test]
+fn tied_gqa_fixture_at_tp2() {
+    let (cfg, w) = fixture("tied_gqa");
+    assert!(cfg.tie_word_embeddings);
+    check(&cfg, &w, 2);
+}
+
+#[test]
+fn untied_fixture_with_attention_bias_at_tp2() {
+    let (cfg, w) = fixture("untied_bias");
+    assert!(cfg.attention_bias && !cfg.tie_word_embeddings);
+    check(&cfg, &w, 2);
+}
+
+#[test]
+fn a_random_model_with_four_kv_heads_at_tp4() {
+    let mut cfg = Qwen3Config::preset("qwen3-0.6b").unwrap();
+    cfg.vocab_size = 64;
+    cfg.hidden_size = 32;
+    cfg.intermediate_size = 48;
+    cfg.num_hidden_layers = 2;
+    cfg.num_attention_heads = 8;
+    cfg.num_key_value_heads = 4;
+    cfg.head_dim = 8;
+    cfg.max_position_embeddings = 64;
+    let m = Qwen3::init_random(cfg.clone(), 0.1, 3, DType::F32, &Device::Cpu).unwrap();
+    check(&cfg, &m.state_dict(), 4);
+}
+
+#[test]
+fn a_shard_with_the_wrong_group_or_shapes_is_refused() {
+    let (cfg, w) = fixture("tied_gqa");
+    let m = shards(&cfg, &w, 1, 2);
+    let e = format!("{:#}", m.logprobs_entropy(&batch()).unwrap_err());
+    assert!(e.contains("TP rank 1 of 2") && e.contains("rank 0 of 1"), "{e}");
+    let e = format!(
+        "{:#}",
+        Qwen3::from_shards(cfg.clone(), w.clone(), TpPlace { rank: 0, size: 2 })
+            .err()
+            .unwrap()
+    );
+    assert!(e.contains("(TP rank 0 of 2)"), "{e}");
+    let e = format!(
+        "{:#}",
+        Qwen3::from_shards(cfg.clone(), w, TpPlace { rank: 0, size: 4 })
+            .err()
+            .unwrap()
+    );
+    assert!(e.contains("num_key_value_heads (2)"), "{e}");
+}
