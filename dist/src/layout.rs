@@ -256,6 +256,37 @@ impl LayoutTable {
         })
     }
 
+    /// The global tensor of parameter `name` from every TP rank's `local` shard (the inverse of
+    /// [`Self::local_shard`]): an all-gather over `tp` along the split dim, rank order; a
+    /// replicated parameter comes back as it is. Collective: every TP rank calls it, same order.
+    pub fn gather_global(&self, name: &str, local: &Tensor, tp: &dyn crate::Collectives) -> Result<Tensor> {
+        let Some(p) = self.get(name) else {
+            bail!("{name} is not in the layout table");
+        };
+        ensure!(
+            tp.size() == self.tp_size,
+            "{name}: the layout is for TP size {}, the group has {} ranks",
+            self.tp_size,
+            tp.size()
+        );
+        ensure!(
+            local.dims() == p.local_shape.as_slice(),
+            "{name}: local shard {:?}, the layout table's is {:?}",
+            local.dims(),
+            p.local_shape
+        );
+        Ok(match p.entry.placement.split_dim() {
+            _ if self.tp_size == 1 => local.clone(),
+            None => local.clone(),
+            Some(0) => tp.all_gather(&local.contiguous()?)?,
+            Some(d) => {
+                // Gather along dim 0 of the transposed shard, then transpose back.
+                let g = tp.all_gather(&local.transpose(0, d)?.contiguous()?)?;
+                g.transpose(0, d)?.contiguous()?
+            }
+        })
+    }
+
     /// The flat buffer of `tensors` (local shapes, one per entry, no others) in table order,
     /// 1-D, cast to `dtype` when given (else all must share one dtype).
     pub fn flatten(&self, tensors: &BTreeMap<String, Tensor>, dtype: Option<DType>) -> Result<Tensor> {

@@ -90,6 +90,18 @@ pub struct Qwen3 {
     explicit_backward: bool,
 }
 
+/// The layout table of `cfg`'s parameters at TP place `tp` (dtype and weight decay unused here).
+fn layout_table(cfg: &Qwen3Config, tp: TpPlace) -> Result<vime_dist::layout::LayoutTable> {
+    vime_dist::layout::LayoutTable::new(
+        param_specs(cfg)
+            .into_iter()
+            .map(|s| vime_dist::layout::LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
+            .collect(),
+        tp.rank,
+        tp.size,
+    )
+}
+
 /// A vocab-parallel embedding lookup's local ids (0 where another rank holds the id) and the 0/1
 /// mask of the rows this rank looked up, `[T, 1]`.
 struct EmbedLocal {
@@ -132,14 +144,7 @@ impl Qwen3 {
         cfg.validate()?;
         let ctx = BlockCtx::sharded(&cfg, KernelConfig::default(), tp.size)?;
         crate::vocab_parallel::VocabShard::new(cfg.vocab_size, tp.rank, tp.size)?;
-        let table = vime_dist::layout::LayoutTable::new(
-            param_specs(&cfg)
-                .into_iter()
-                .map(|s| vime_dist::layout::LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
-                .collect(),
-            tp.rank,
-            tp.size,
-        )?;
+        let table = layout_table(&cfg, tp)?;
         let mut params = Vec::new();
         for p in table.entries() {
             let name = &p.entry.name;
@@ -249,7 +254,43 @@ impl Qwen3 {
     /// Writes the model as an HF checkpoint directory (config.json + safetensors, sharded past
     /// `max_shard_bytes`) that HF transformers and vLLM load directly.
     pub fn save_hf(&self, dir: &Path, dtype: DType, max_shard_bytes: u64) -> Result<()> {
+        if self.tp.size > 1 {
+            bail!(
+                "this model holds TP rank {} of {}'s shards: save it with save_hf_tp and its TP group",
+                self.tp.rank,
+                self.tp.size
+            );
+        }
         checkpoint::save_hf_checkpoint(dir, &self.cfg, &self.state_dict(), dtype, max_shard_bytes)
+    }
+
+    /// Every parameter as the full HF tensor, gathered over the TP group (on every rank; a
+    /// collective). At TP = 1, the state dict itself.
+    pub fn gathered_state_dict(&self, tp: &dyn Collectives) -> Result<BTreeMap<String, Tensor>> {
+        self.check_tp(tp)?;
+        if tp.size() == 1 {
+            return Ok(self.state_dict());
+        }
+        let table = self.layout_table()?;
+        self.params
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), table.gather_global(n, &v.as_detached_tensor(), tp)?)))
+            .collect()
+    }
+
+    /// [`Self::save_hf`] of a tensor-parallel model: the shards are gathered over `tp` and TP rank
+    /// 0 writes the checkpoint (the same bytes as the unsharded model's).
+    pub fn save_hf_tp(&self, dir: &Path, dtype: DType, max_shard_bytes: u64, tp: &dyn Collectives) -> Result<()> {
+        let full = self.gathered_state_dict(tp)?;
+        if tp.rank() == 0 {
+            checkpoint::save_hf_checkpoint(dir, &self.cfg, &full, dtype, max_shard_bytes)?;
+        }
+        Ok(())
+    }
+
+    /// The layout table of this model's TP place (global shapes, placements, local shapes).
+    fn layout_table(&self) -> Result<vime_dist::layout::LayoutTable> {
+        layout_table(&self.cfg, self.tp)
     }
 
     pub fn config(&self) -> &Qwen3Config {
