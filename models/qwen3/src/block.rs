@@ -72,6 +72,11 @@ pub struct BlockCtx {
     pub eps: f64,
     pub rope_theta: f64,
     pub kernels: KernelConfig,
+    /// Megatron's sequence parallelism (`--sequence-parallel`, with TP > 1): the residual stream,
+    /// the norms and the block's input and output hold this rank's slice of the tokens; the
+    /// column-parallel layers all-gather their input along the tokens and the row-parallel ones
+    /// reduce-scatter their output (backward: the duals).
+    pub sequence_parallel: bool,
 }
 
 impl BlockCtx {
@@ -86,6 +91,7 @@ impl BlockCtx {
             eps: cfg.rms_norm_eps,
             rope_theta: cfg.rope_theta,
             kernels,
+            sequence_parallel: false,
         }
     }
 
@@ -226,6 +232,36 @@ fn tp_sum(tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
     }
 }
 
+/// The entry of a column-parallel layer: the identity, or with sequence parallelism the
+/// all-gather of the token slices (`[T / tp, ..]` -> `[T, ..]`).
+fn sp_gather(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
+    if ctx.sequence_parallel && tp.size() > 1 {
+        tp.all_gather(&t)
+    } else {
+        Ok(t)
+    }
+}
+
+/// The exit of a row-parallel layer: the sum over TP, or with sequence parallelism the
+/// reduce-scatter to this rank's token slice (`[T, ..]` -> `[T / tp, ..]`).
+fn sp_reduce(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
+    if ctx.sequence_parallel && tp.size() > 1 {
+        tp.reduce_scatter(&t, ReduceOp::Sum)
+    } else {
+        tp_sum(tp, t)
+    }
+}
+
+/// A gradient that is partial over the token slices under sequence parallelism (norm weights,
+/// o's bias): summed over TP then; as it is otherwise.
+fn sp_partial(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
+    if ctx.sequence_parallel {
+        tp_sum(tp, t)
+    } else {
+        Ok(t)
+    }
+}
+
 /// Adds `g` to the gradient of `name` (the first contribution is stored as is).
 fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
     let g = match grads.remove(&name) {
@@ -249,9 +285,9 @@ impl Block {
         save: bool,
         tp: &dyn Collectives,
     ) -> Result<(Tensor, Option<Saved>)> {
-        let t = x.dim(0)?;
         let (d, eps) = (ctx.head_dim, ctx.eps);
-        let h1 = rms_norm(x, &dw(&self.input_norm), eps)?;
+        let h1 = sp_gather(ctx, tp, rms_norm(x, &dw(&self.input_norm), eps)?)?;
+        let t = h1.dim(0)?;
         // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
         let q = linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?;
         let k = linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
@@ -261,19 +297,19 @@ impl Block {
         let (attn, attn_saved) = attention.run(self.index, ctx, &qr, &kr, &v, save)?;
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
-        let o = tp_sum(tp, linear(&a2, &self.o_proj, None)?)?;
+        let o = sp_reduce(ctx, tp, linear(&a2, &self.o_proj, None)?)?;
         let o = match &self.o_bias {
             Some(b) => o.broadcast_add(&dw(b))?,
             None => o,
         };
         let x2 = (x + o)?;
-        let h2 = rms_norm(&x2, &dw(&self.post_norm), eps)?;
+        let h2 = sp_gather(ctx, tp, rms_norm(&x2, &dw(&self.post_norm), eps)?)?;
         // Column-parallel gate/up (this rank's share of the intermediate size).
         let gate = linear(&h2, &self.gate_proj, None)?;
         let up = linear(&h2, &self.up_proj, None)?;
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
-        let y = (&x2 + tp_sum(tp, linear(&act, &self.down_proj, None)?)?)?;
+        let y = (&x2 + sp_reduce(ctx, tp, linear(&act, &self.down_proj, None)?)?)?;
         let Some(attn_saved) = attn_saved else {
             return Ok((y, None));
         };
@@ -310,8 +346,8 @@ impl Block {
         grads: &mut BTreeMap<String, Tensor>,
         tp: &dyn Collectives,
     ) -> Result<Tensor> {
-        let t = dy.dim(0)?;
         let (nh, nkv, d, eps) = (ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.eps);
+        let t = s.h1.dim(0)?;
         let i = self.index;
         let name = |p: &str| format!("model.layers.{i}.{p}");
         // dW = dY^T X in the weight's own [out, in] layout, in f32 (f64 models: f64).
@@ -320,28 +356,37 @@ impl Block {
 
         // MLP.
         let h2 = &s.h2;
-        put(grads, name("mlp.down_proj.weight"), wgrad(dy, &s.act)?)?;
-        let ds = dy.matmul(&dw(&self.down_proj))?;
+        let dy_all = sp_gather(ctx, tp, dy.clone())?;
+        put(grads, name("mlp.down_proj.weight"), wgrad(&dy_all, &s.act)?)?;
+        let ds = dy_all.matmul(&dw(&self.down_proj))?;
+        drop(dy_all);
         let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
         drop(ds);
         put(grads, name("mlp.gate_proj.weight"), wgrad(&dg, h2)?)?;
         put(grads, name("mlp.up_proj.weight"), wgrad(&du, h2)?)?;
-        let dh2 = tp_sum(
+        let dh2 = sp_reduce(
+            ctx,
             tp,
             matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?,
         )?;
         drop((dg, du));
         let (dx2n, dwpost) = rms_norm_backward(&s.x2, &dw(&self.post_norm), eps, &dh2)?;
-        put(grads, name("post_attention_layernorm.weight"), dwpost)?;
+        put(
+            grads,
+            name("post_attention_layernorm.weight"),
+            sp_partial(ctx, tp, dwpost)?,
+        )?;
         let dx2 = (dy + dx2n)?;
 
         // Attention output projection.
         let a2 = s.attn.reshape((t, nh * d))?;
-        put(grads, name("self_attn.o_proj.weight"), wgrad(&dx2, &a2)?)?;
+        let dx2_all = sp_gather(ctx, tp, dx2.clone())?;
+        put(grads, name("self_attn.o_proj.weight"), wgrad(&dx2_all, &a2)?)?;
         if self.o_bias.is_some() {
-            put(grads, name("self_attn.o_proj.bias"), bgrad(&dx2)?)?;
+            put(grads, name("self_attn.o_proj.bias"), sp_partial(ctx, tp, bgrad(&dx2)?)?)?;
         }
-        let da = dx2.matmul(&dw(&self.o_proj))?.reshape((t, nh, d))?;
+        let da = dx2_all.matmul(&dw(&self.o_proj))?.reshape((t, nh, d))?;
+        drop(dx2_all);
         let (dqr, dkr, dv) = varlen_attention_backward(&s.attn_saved, &s.qr, &s.kr, &s.v, &s.attn, &da)?;
         drop(da);
         let (dq, dwqn) = rms_norm_backward(
@@ -377,9 +422,9 @@ impl Block {
             }
         }
         let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
-        let dh1 = tp_sum(tp, matmul_acc(dh1, &dv, &dw(&self.v_proj))?)?;
+        let dh1 = sp_reduce(ctx, tp, matmul_acc(dh1, &dv, &dw(&self.v_proj))?)?;
         let (dxn, dwin) = rms_norm_backward(&s.x, &dw(&self.input_norm), eps, &dh1)?;
-        put(grads, name("input_layernorm.weight"), dwin)?;
+        put(grads, name("input_layernorm.weight"), sp_partial(ctx, tp, dwin)?)?;
         Ok((dx2 + dxn)?)
     }
 
@@ -484,23 +529,31 @@ mod tp_tests {
     type Run = (Tensor, Tensor, BTreeMap<String, Tensor>);
 
     /// Forward + backward of rank `tp.rank()`'s shard: (y, dx, local gradients).
+    /// With `sp`, the rank gets (and returns) its slice of the tokens.
     fn run(
         c: &Qwen3Config,
         g: &BTreeMap<String, Tensor>,
         x: &Tensor,
         dy: &Tensor,
         tp: &dyn Collectives,
+        sp: bool,
     ) -> Result<Run> {
         let (r, n) = (tp.rank(), tp.size());
+        let tokens = |a: &Tensor| -> Result<Tensor> {
+            let per = a.dim(0)? / n;
+            Ok(if sp { a.narrow(0, r * per, per)? } else { a.clone() })
+        };
+        let (x, dy) = (&tokens(x)?, &tokens(dy)?);
         let t = table(c, r, n);
         let local: BTreeMap<String, Tensor> = g
             .iter()
             .map(|(k, v)| Ok((k.clone(), t.local_shard(k, v)?)))
             .collect::<Result<_>>()?;
         let block = block_of(&local);
-        let ctx = BlockCtx::sharded(c, KernelConfig::default(), n)?;
-        let cu: Arc<[u32]> = vec![0u32, 4, 10].into();
-        let positions: Arc<[u32]> = vec![0u32, 1, 2, 3, 0, 1, 2, 3, 4, 5].into();
+        let mut ctx = BlockCtx::sharded(c, KernelConfig::default(), n)?;
+        ctx.sequence_parallel = sp;
+        let cu: Arc<[u32]> = vec![0u32, 5, 12].into();
+        let positions: Arc<[u32]> = (0..5u32).chain(0..7).collect::<Vec<_>>().into();
         let att = Attention::Packed { cu_seqlens: &cu };
         let (y, saved) = block.forward(&ctx, x, &positions, &att, true, tp)?;
         let mut grads = BTreeMap::new();
@@ -524,26 +577,35 @@ mod tp_tests {
 
     #[test]
     fn tp2_and_tp4_equal_tp1_per_output_and_gradient() {
+        check(false);
+    }
+
+    #[test]
+    fn sequence_parallel_tp2_and_tp4_equal_tp1_per_output_and_gradient() {
+        check(true);
+    }
+
+    fn check(sp: bool) {
         let c = cfg();
         let g = global_tensors(&c);
         let mut rng = Rng::new(4);
-        let x = rng.randn(&[10, 16], 1.0, DType::F32, &Device::Cpu).unwrap();
-        let dy = rng.randn(&[10, 16], 1.0, DType::F32, &Device::Cpu).unwrap();
-        let (y1, dx1, g1) = run(&c, &g, &x, &dy, &SingleRank::default()).unwrap();
+        let x = rng.randn(&[12, 16], 1.0, DType::F32, &Device::Cpu).unwrap();
+        let dy = rng.randn(&[12, 16], 1.0, DType::F32, &Device::Cpu).unwrap();
+        let (y1, dx1, g1) = run(&c, &g, &x, &dy, &SingleRank::default(), false).unwrap();
         for tp in [2usize, 4] {
-            let runs = vime_dist::cpu::run_threads(tp, "tp", |_, grp| run(&c, &g, &x, &dy, grp)).unwrap();
+            let runs = vime_dist::cpu::run_threads(tp, "tp", |_, grp| run(&c, &g, &x, &dy, grp, sp)).unwrap();
             let t0 = table(&c, 0, tp);
-            for (r, (y, dx, _)) in runs.iter().enumerate() {
-                assert!(
-                    rel_err(y, &y1).unwrap() < 1e-5,
-                    "tp {tp} rank {r} y {}",
-                    rel_err(y, &y1).unwrap()
-                );
-                assert!(
-                    rel_err(dx, &dx1).unwrap() < 1e-5,
-                    "tp {tp} rank {r} dx {}",
-                    rel_err(dx, &dx1).unwrap()
-                );
+            let (ys, dxs): (Vec<Tensor>, Vec<Tensor>) = runs.iter().map(|r| (r.0.clone(), r.1.clone())).unzip();
+            // Under SP each rank returns its token slice: the slices in rank order are the whole.
+            let (ys, dxs) = if sp {
+                (vec![Tensor::cat(&ys, 0).unwrap()], vec![Tensor::cat(&dxs, 0).unwrap()])
+            } else {
+                (ys, dxs)
+            };
+            for (r, (y, dx)) in ys.iter().zip(&dxs).enumerate() {
+                let (ey, edx) = (rel_err(y, &y1).unwrap(), rel_err(dx, &dx1).unwrap());
+                assert!(ey < 1e-5, "tp {tp} sp {sp} rank {r} y {ey}");
+                assert!(edx < 1e-5, "tp {tp} sp {sp} rank {r} dx {edx}");
             }
             assert_eq!(g1.len(), runs[0].2.len());
             for (name, want) in &g1 {
@@ -553,13 +615,16 @@ mod tp_tests {
                     None => {
                         for (r, x) in runs.iter().enumerate() {
                             let e = rel_err(&x.2[name], &runs[0].2[name]).unwrap();
-                            assert!(e < 1e-6, "tp {tp}: replicated {name} differs on rank {r} ({e})");
+                            assert!(e < 1e-6, "tp {tp} sp {sp}: replicated {name} differs on rank {r} ({e})");
                         }
                         runs[0].2[name].clone()
                     }
                 };
                 let e = rel_err(&got, want).unwrap();
-                assert!(e < 1e-5, "tp {tp}: gradient of {name} ({placement:?}) off by {e}");
+                assert!(
+                    e < 1e-5,
+                    "tp {tp} sp {sp}: gradient of {name} ({placement:?}) off by {e}"
+                );
             }
         }
     }
