@@ -323,6 +323,17 @@ impl Qwen3 {
     }
 
     /// The kernel choice every block's attention runs with (default: [`KernelConfig::default`]).
+    /// Megatron's sequence parallelism for this tensor-parallel shard (`--sequence-parallel`):
+    /// the residual stream holds this rank's slice of the tokens between the layers, so a packed
+    /// batch's token count must divide by the TP size (pad it). A no-op at TP = 1.
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.ctx.sequence_parallel = on && self.tp.size > 1;
+    }
+
+    pub fn sequence_parallel(&self) -> bool {
+        self.ctx.sequence_parallel
+    }
+
     pub fn set_kernel_config(&mut self, kernels: KernelConfig) {
         self.ctx.kernels = kernels;
     }
@@ -380,6 +391,25 @@ impl Qwen3 {
         crate::vocab_parallel::VocabShard::new(self.cfg.vocab_size, self.tp.rank, self.tp.size)
     }
 
+    /// With sequence parallelism, the batch's tokens must split evenly over the TP ranks.
+    fn check_sp(&self, batch: &PackedBatch) -> Result<()> {
+        if self.ctx.sequence_parallel && !batch.num_tokens().is_multiple_of(self.tp.size) {
+            bail!(
+                "sequence parallelism splits the {} tokens of the batch over {} TP ranks: pad the batch to a multiple of {}",
+                batch.num_tokens(),
+                self.tp.size,
+                self.tp.size
+            );
+        }
+        Ok(())
+    }
+
+    /// This rank's token slice of `[T, ..]` (sequence parallelism).
+    fn sp_slice(&self, t: &Tensor) -> Result<Tensor> {
+        let per = t.dim(0)? / self.tp.size;
+        Ok(t.narrow(0, self.tp.rank * per, per)?)
+    }
+
     /// Checks that `tp` is the group this model's shards belong to.
     fn check_tp(&self, tp: &dyn Collectives) -> Result<()> {
         if tp.size() != self.tp.size || tp.rank() != self.tp.rank {
@@ -417,7 +447,13 @@ impl Qwen3 {
         let ids = Tensor::from_slice(&local, n, self.device())?;
         let mask = Tensor::from_vec(mask, (n, 1), self.device())?.to_dtype(self.dtype())?;
         let x = w(&self.embed, false).embedding(&ids)?.broadcast_mul(&mask)?;
-        Ok((tp.all_reduce(&x, ReduceOp::Sum)?, Some(EmbedLocal { ids: local, mask })))
+        // With sequence parallelism the sum lands on each rank's token slice (a reduce-scatter).
+        let x = if self.ctx.sequence_parallel {
+            tp.reduce_scatter(&x, ReduceOp::Sum)?
+        } else {
+            tp.all_reduce(&x, ReduceOp::Sum)?
+        };
+        Ok((x, Some(EmbedLocal { ids: local, mask })))
     }
 
     /// One block's forward over a packed batch, no gradient tracking, nothing saved.
@@ -445,6 +481,7 @@ impl Qwen3 {
     pub fn hidden_states_tp(&self, batch: &PackedBatch, tp: &dyn Collectives) -> Result<Tensor> {
         self.check_batch(batch)?;
         self.check_tp(tp)?;
+        self.check_sp(batch)?;
         let mut x = self.embed_tokens_tp(batch, tp)?.0;
         let attention = Attention::Packed {
             cu_seqlens: &batch.cu_seqlens,
@@ -452,7 +489,11 @@ impl Qwen3 {
         for b in &self.blocks {
             x = b.forward(&self.ctx, &x, &batch.position_ids, &attention, false, tp)?.0;
         }
-        Ok(rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?)
+        let h = rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?;
+        if self.ctx.sequence_parallel {
+            return tp.all_gather(&h);
+        }
+        Ok(h)
     }
 
     /// Full logits `[T, vocab]` in f32. For tests and small inputs: this is the path that
@@ -535,6 +576,10 @@ impl Qwen3 {
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
         self.check_tp(tp)?;
+        self.check_sp(batch)?;
+        if self.ctx.sequence_parallel && matches!(head, Head::Hidden(_)) {
+            bail!("sequence parallelism runs the LM head only; a custom head (the critic's value head) needs it off");
+        }
         if !self.explicit_backward {
             if tp.size() > 1 {
                 bail!("the autograd reference has no tensor parallelism");
@@ -586,7 +631,12 @@ impl Qwen3 {
             }
             Some(EmbedLocal { ids, mask }) => vime_kernels::embedding_backward(
                 ids,
-                &g.broadcast_mul(&mask.to_dtype(g.dtype())?)?,
+                &if self.ctx.sequence_parallel {
+                    tp.all_gather(&g)?
+                } else {
+                    g
+                }
+                .broadcast_mul(&mask.to_dtype(self.dtype())?)?,
                 self.vocab_shard()?.len,
                 tied_head_grad.as_ref(),
             )?,
@@ -708,6 +758,12 @@ impl Qwen3 {
         let eps = self.cfg.rms_norm_eps;
         let norm_w = w(&self.norm, false);
         let hn = rms_norm(x, &norm_w, eps)?;
+        // Sequence parallelism: the head sees every token (replicated), the norm only this rank's.
+        let hn = if self.ctx.sequence_parallel {
+            tp.all_gather(&hn)?
+        } else {
+            hn
+        };
         let wlm = self.lm_head_weight(false);
         enum HeadSaved {
             Whole(vime_kernels::LmHeadSaved),
@@ -761,7 +817,17 @@ impl Qwen3 {
             )?,
         };
         drop(saved);
+        let dhn = if self.ctx.sequence_parallel {
+            self.sp_slice(&dhn)?
+        } else {
+            dhn
+        };
         let (g, dnorm) = rms_norm_backward(x, &norm_w, eps, &dhn)?;
+        let dnorm = if self.ctx.sequence_parallel {
+            tp.all_reduce(&dnorm, ReduceOp::Sum)?
+        } else {
+            dnorm
+        };
         params.insert("model.norm.weight".to_string(), dnorm);
         let tied = match &self.lm_head {
             Some(_) => {

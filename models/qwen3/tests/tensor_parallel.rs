@@ -1,4 +1,4 @@
-//! The whole model under tensor parallelism (no sequence parallelism yet) on real CPU-backend groups
+//! The whole model under tensor parallelism, with and without sequence parallelism, on real CPU-backend groups
 //! (threads), against the same model at TP = 1, on the HF fixtures (tied embeddings + GQA; untied
 //! with q/k/v/o biases) at TP = 2 and a random model with 4 KV heads at TP = 4: log-probs and
 //! entropy (scoring), the loss, and every parameter gradient of a forward_backward, compared by HF
@@ -68,9 +68,20 @@ fn run(m: &Qwen3, tp: &dyn Collectives) -> anyhow::Result<Out> {
 }
 
 fn check(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize) {
+    for sp in [false, true] {
+        check_sp(cfg, global, tp, sp);
+    }
+}
+
+fn check_sp(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize, sp: bool) {
     let whole = Qwen3::from_tensors(cfg.clone(), global.clone()).unwrap();
     let (lp1, ent1, l1, g1) = run(&whole, &SingleRank::default()).unwrap();
-    let runs = vime_dist::cpu::run_threads(tp, "tp", |r, g| run(&shards(cfg, global, r, tp), g)).unwrap();
+    let runs = vime_dist::cpu::run_threads(tp, "tp", |r, g| {
+        let mut m = shards(cfg, global, r, tp);
+        m.set_sequence_parallel(sp);
+        run(&m, g)
+    })
+    .unwrap();
     let t0 = table(cfg, 0, tp);
     for (r, (lp, ent, l, _)) in runs.iter().enumerate() {
         assert!(
@@ -92,13 +103,13 @@ fn check(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize) {
             None => {
                 for (r, x) in runs.iter().enumerate() {
                     let e = rel_err(&x.3[name], &runs[0].3[name]).unwrap();
-                    assert!(e < 1e-6, "tp {tp}: replicated {name} differs on rank {r} ({e})");
+                    assert!(e < 1e-6, "tp {tp} sp {sp}: replicated {name} differs on rank {r} ({e})");
                 }
                 runs[0].3[name].clone()
             }
         };
         let e = rel_err(&got.to_dtype(DType::F32).unwrap(), &want.to_dtype(DType::F32).unwrap()).unwrap();
-        assert!(e < TOL, "tp {tp}: gradient of {name} ({place:?}) off by {e}");
+        assert!(e < TOL, "tp {tp} sp {sp}: gradient of {name} ({place:?}) off by {e}");
     }
 }
 
@@ -204,4 +215,21 @@ fn a_checkpoint_saved_under_tp2_is_byte_identical_to_tp1() {
             );
         }
     }
+}
+
+#[test]
+fn sequence_parallelism_needs_a_batch_that_splits_over_tp() {
+    let (cfg, w) = fixture("tied_gqa");
+    let errs = vime_dist::cpu::run_threads(2, "tp", |r, g| {
+        let mut m = shards(&cfg, &w, r, 2);
+        m.set_sequence_parallel(true);
+        let b = PackedBatch::from_sequences(&[vec![3u32, 7, 9]]).unwrap();
+        Ok(format!("{:#}", m.logprobs_entropy_tp(&b, g).unwrap_err()))
+    })
+    .unwrap();
+    assert!(
+        errs[0].contains("3 tokens") && errs[0].contains("multiple of 2"),
+        "{}",
+        errs[0]
+    );
 }
