@@ -509,3 +509,91 @@ fn segments_of_all_ranks_cover_every_parameter_once() -> Result<()> {
     }
     Ok(())
 }
+
+// ------------------------------------------------------------------------------------------
+// tensor parallelism
+// ------------------------------------------------------------------------------------------
+
+/// `tp x dp` ranks as threads, each in a TP group (consecutive ranks, Megatron's order) and a DP
+/// group of real CPU-backend groups; `f(tp_rank, dp_rank, tp, dp)`. Results in global rank order.
+fn run_tp_dp<T: Send>(
+    tp: usize,
+    dp: usize,
+    f: impl Fn(usize, usize, &dyn Collectives, &dyn Collectives) -> Result<T> + Sync,
+) -> Vec<T> {
+    use vime_dist::cpu::CpuGroup;
+    use vime_dist::launch::{free_port, Timeouts};
+    use vime_dist::store::{StoreClient, StoreServer};
+    let t = Timeouts::default();
+    let addr = format!("127.0.0.1:{}", free_port().unwrap());
+    let _server = StoreServer::bind(&addr, t.heartbeat).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..tp * dp)
+            .map(|g| {
+                let (f, addr) = (&f, &addr);
+                s.spawn(move || -> Result<T> {
+                    let (tr, dr) = (g % tp, g / tp);
+                    let store = StoreClient::connect(addr, g, t.rendezvous)?;
+                    let tp_members: Vec<usize> = (0..tp).map(|i| dr * tp + i).collect();
+                    let dp_members: Vec<usize> = (0..dp).map(|i| i * tp + tr).collect();
+                    let tpg = CpuGroup::new(&store, &format!("tp{dr}"), &tp_members, g, &t)?;
+                    let dpg = CpuGroup::new(&store, &format!("dp{tr}"), &dp_members, g, &t)?;
+                    f(tr, dr, &tpg, &dpg)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .enumerate()
+            .map(|(r, h)| h.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e:#}")))
+            .collect()
+    })
+}
+
+/// TP = 2 at DP = 1 and TP = 2 x DP = 2: the gradient norm is the whole model's (TP-split squares
+/// summed over TP, replicated ones once), every rank clips by it, and the new weights are the TP = 1
+/// optimizer's, sliced, within f32 rounding of the norm's summation order.
+#[test]
+fn tp_shards_step_like_the_whole_model() -> Result<()> {
+    let specs = param_specs(&tiny_cfg());
+    for (tp, dp) in [(2usize, 1usize), (2, 2)] {
+        // Clip hard so the norm matters for every element.
+        let a = args(0.5, 0.1);
+        let whole = model(DType::F32);
+        let mut reference = DistributedAdamW::with_layout(&whole, layout(DType::F32), &a, &SingleRank::default())?;
+        let summed = summed(0, dp, 1.0);
+        let ref_norm = reference.step(&summed, LR, a.clip_grad, &SingleRank::default())?;
+        let ref_w: BTreeMap<String, Tensor> = whole
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().copy().unwrap()))
+            .collect();
+        let out = run_tp_dp(tp, dp, |tr, dr, tpg, dpg| {
+            let table = qwen3_layout(&specs, DType::F32, tr, tp)?;
+            let local: Vec<(String, Var)> = model(DType::F32)
+                .into_iter()
+                .map(|(n, v)| Ok((n.clone(), Var::from_tensor(&table.local_shard(&n, v.as_tensor())?)?)))
+                .collect::<Result<_>>()?;
+            let g: BTreeMap<String, Tensor> = grads(0, dr, 1.0)
+                .into_iter()
+                .map(|(n, t)| Ok((n.clone(), table.local_shard(&n, &t)?)))
+                .collect::<Result<_>>()?;
+            let mut opt = DistributedAdamW::with_layout(&local, table.clone(), &a, dpg)?;
+            let stats = opt.step_stats_tp(&g, LR, a.clip_grad, dpg, tpg)?;
+            let w: BTreeMap<String, Tensor> = local
+                .iter()
+                .map(|(n, v)| Ok((n.clone(), table.gather_global(n, v.as_tensor(), tpg)?)))
+                .collect::<Result<_>>()?;
+            Ok((stats.grad_norm, w))
+        });
+        for (r, (norm, w)) in out.iter().enumerate() {
+            assert!(
+                rel(*norm, ref_norm) < 1e-6,
+                "tp {tp} dp {dp} rank {r}: norm {norm} vs {ref_norm}"
+            );
+            for (n, t) in &ref_w {
+                let e = vime_kernels::testing::rel_err(&w[n], t)?;
+                assert!(e < 1e-6, "tp {tp} dp {dp} rank {r}: {n} off by {e}");
+            }
+        }
+    }
+    Ok(())
+}

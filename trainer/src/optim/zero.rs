@@ -311,6 +311,29 @@ impl DistributedAdamW {
         clip_grad: f64,
         dp: &dyn Collectives,
     ) -> Result<ZeroStepStats> {
+        self.step_stats_tp(grads, lr, clip_grad, dp, &vime_dist::SingleRank::default())
+    }
+
+    /// [`Self::step_stats`] of a tensor-parallel shard (`grads` of this TP rank's shards, the
+    /// layout built for its TP place): the global norm sums the squares of the TP-split
+    /// parameters over `tp` and counts the replicated ones once (they are equal on every TP
+    /// rank), so every rank clips by the norm of the whole model's gradient.
+    pub fn step_stats_tp(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        clip_grad: f64,
+        dp: &dyn Collectives,
+        tp: &dyn Collectives,
+    ) -> Result<ZeroStepStats> {
+        ensure!(
+            tp.size() == self.layout.tp_size() && tp.rank() == self.layout.tp_rank(),
+            "the optimizer's layout is for TP rank {} of {}, called with rank {} of {}",
+            self.layout.tp_rank(),
+            self.layout.tp_size(),
+            tp.rank(),
+            tp.size()
+        );
         self.check_group(dp)?;
         self.check_grads(grads)?;
         if !(lr.is_finite() && lr >= 0.0) {
@@ -318,7 +341,11 @@ impl DistributedAdamW {
         }
         let segs = match &mut self.state {
             State::Whole(adamw) => {
-                let grad_norm = global_grad_norm(grads)?;
+                let grad_norm = if tp.size() > 1 {
+                    tp_grad_norm(grads, &self.layout, tp)?
+                } else {
+                    global_grad_norm(grads)?
+                };
                 let grad_scale = clip_coefficient(grad_norm, clip_grad);
                 let s = adamw.step_scaled(grads, lr, grad_scale)?;
                 return Ok(ZeroStepStats {
@@ -345,14 +372,33 @@ impl DistributedAdamW {
             shard.dims(),
             self.shard.len()
         );
-        let local = sum_squares(&shard)?;
-        let total = dp
-            .all_reduce(&Tensor::new(&[local], shard.device())?, ReduceOp::Sum)
+        let start = self.shard.start;
+        // Squares of this shard, apart by placement: TP-split parameters (summed over TP too)
+        // and replicated ones (counted once). At TP 1 all of it is one sum.
+        let (mut split, mut whole) = (0f64, 0f64);
+        if tp.size() > 1 {
+            for s in segs.iter() {
+                let v = sum_squares(&shard.narrow(0, s.seg.flat_range.start - start, s.seg.len())?)?;
+                match self.layout.entries()[s.seg.entry].entry.placement.split_dim() {
+                    Some(_) => split += v,
+                    None => whole += v,
+                }
+            }
+        } else {
+            whole = sum_squares(&shard)?;
+        }
+        let sums = dp
+            .all_reduce(&Tensor::new(&[split, whole], shard.device())?, ReduceOp::Sum)
             .context("all-reduce of the squared gradient norm")?
             .to_device(&Device::Cpu)?
-            .to_vec1::<f64>()?[0];
-        let grad_norm = total.sqrt();
-        let start = self.shard.start;
+            .to_vec1::<f64>()?;
+        let split = if tp.size() > 1 {
+            tp.all_reduce(&Tensor::new(&[sums[0]], &Device::Cpu)?, ReduceOp::Sum)?
+                .to_vec1::<f64>()?[0]
+        } else {
+            sums[0]
+        };
+        let grad_norm = (split + sums[1]).sqrt();
         let view = |s: &Segment| shard.narrow(0, s.flat_range.start - start, s.len());
         if !grad_norm.is_finite() {
             let mut mine = Vec::new();
@@ -548,4 +594,29 @@ fn sum_squares(t: &Tensor) -> Result<f64> {
         return Ok(vime_kernels::cuda::sum_squares(&[&t.contiguous()?])?[0]);
     }
     Ok(t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?)
+}
+
+/// The global gradient norm over tensor-parallel shards (dp = 1): squares of TP-split parameters
+/// summed over `tp`, replicated ones counted once.
+fn tp_grad_norm(grads: &BTreeMap<String, Tensor>, layout: &LayoutTable, tp: &dyn Collectives) -> Result<f64> {
+    let (mut split, mut whole, mut bad) = (0f64, 0f64, Vec::new());
+    for p in layout.entries() {
+        let g = &grads[p.name()];
+        let v = sum_squares(&g.flatten_all()?)?;
+        if !v.is_finite() {
+            bad.push(p.name().to_string());
+        }
+        match p.entry.placement.split_dim() {
+            Some(_) => split += v,
+            None => whole += v,
+        }
+    }
+    let split = tp
+        .all_reduce(&Tensor::new(&[split], &Device::Cpu)?, ReduceOp::Sum)?
+        .to_vec1::<f64>()?[0];
+    let norm = (split + whole).sqrt();
+    if !norm.is_finite() {
+        return Err(NonFiniteGradNorm { norm, params: bad }.into());
+    }
+    Ok(norm)
 }
