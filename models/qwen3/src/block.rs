@@ -39,7 +39,8 @@
 //! (optional q/k/v/o biases: db = column sums of the same upstream gradients).
 //!
 //! Memory: [`Saved`] keeps x, h1, the pre-norm q and k, v, the roped q and k, the attention
-//! output, x2, h2, gate, up and the SwiGLU output: about 0.5 GB per Qwen3-4B layer at 4096
+//! output, x2, h2, gate, up and the SwiGLU output (under sequence parallelism x, x2, h1 and h2 as
+//! this rank's token slices, h1 and h2 gathered again in the backward): about 0.5 GB per Qwen3-4B layer at 4096
 //! tokens. Nothing is recomputed in the backward (recomputing the SwiGLU output cost ~140 us per
 //! layer at 4096 x 9728, each norm ~25 us); `Recompute::Full` keeps only x and re-runs the
 //! whole block forward instead.
@@ -286,7 +287,10 @@ impl Block {
         tp: &dyn Collectives,
     ) -> Result<(Tensor, Option<Saved>)> {
         let (d, eps) = (ctx.head_dim, ctx.eps);
-        let h1 = sp_gather(ctx, tp, rms_norm(x, &dw(&self.input_norm), eps)?)?;
+        // Under SP the saved norms are this rank's token slices (`h1_local`, `h2_local`); the
+        // backward gathers them again, as Megatron does, instead of keeping [T, hidden] twice.
+        let h1_local = rms_norm(x, &dw(&self.input_norm), eps)?;
+        let h1 = sp_gather(ctx, tp, h1_local.clone())?;
         let t = h1.dim(0)?;
         // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
         let q = linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?;
@@ -303,7 +307,8 @@ impl Block {
             None => o,
         };
         let x2 = (x + o)?;
-        let h2 = sp_gather(ctx, tp, rms_norm(&x2, &dw(&self.post_norm), eps)?)?;
+        let h2_local = rms_norm(&x2, &dw(&self.post_norm), eps)?;
+        let h2 = sp_gather(ctx, tp, h2_local.clone())?;
         // Column-parallel gate/up (this rank's share of the intermediate size).
         let gate = linear(&h2, &self.gate_proj, None)?;
         let up = linear(&h2, &self.up_proj, None)?;
@@ -316,7 +321,7 @@ impl Block {
         let saved = Saved {
             positions: positions.clone(),
             x: x.clone(),
-            h1,
+            h1: if ctx.sequence_parallel { h1_local } else { h1 },
             q,
             k,
             v,
@@ -325,7 +330,7 @@ impl Block {
             attn,
             attn_saved,
             x2,
-            h2,
+            h2: if ctx.sequence_parallel { h2_local } else { h2 },
             gate,
             up,
             act,
@@ -347,7 +352,7 @@ impl Block {
         tp: &dyn Collectives,
     ) -> Result<Tensor> {
         let (nh, nkv, d, eps) = (ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.eps);
-        let t = s.h1.dim(0)?;
+        let t = s.qr.dim(0)?;
         let i = self.index;
         let name = |p: &str| format!("model.layers.{i}.{p}");
         // dW = dY^T X in the weight's own [out, in] layout, in f32 (f64 models: f64).
@@ -355,7 +360,7 @@ impl Block {
         let bgrad = |dy2: &Tensor| -> Result<Tensor> { Ok(dy2.sum(0)?) };
 
         // MLP.
-        let h2 = &s.h2;
+        let h2 = &sp_gather(ctx, tp, s.h2.clone())?;
         let dy_all = sp_gather(ctx, tp, dy.clone())?;
         put(grads, name("mlp.down_proj.weight"), wgrad(&dy_all, &s.act)?)?;
         let ds = dy_all.matmul(&dw(&self.down_proj))?;
@@ -408,7 +413,7 @@ impl Block {
         let dv = dv.reshape((t, nkv * d))?;
 
         // q/k/v projections and the input norm.
-        let h1 = &s.h1;
+        let h1 = &sp_gather(ctx, tp, s.h1.clone())?;
         put(grads, name("self_attn.q_proj.weight"), wgrad(&dq, h1)?)?;
         put(grads, name("self_attn.k_proj.weight"), wgrad(&dk, h1)?)?;
         put(grads, name("self_attn.v_proj.weight"), wgrad(&dv, h1)?)?;
