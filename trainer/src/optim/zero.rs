@@ -541,6 +541,48 @@ impl DistributedAdamW {
     /// returned: each rank keeps its own segments and writes the full master weights (cast) into
     /// its model. Every tensor is checked (present, f32, local shape, no unknown names) before
     /// anything changes. Needs no communication.
+    /// [`Self::state_tensors`] with the TP shards gathered: every tensor at its parameter's global
+    /// shape, so a checkpoint does not depend on the TP size either. Collective over `dp` and `tp`.
+    pub fn state_tensors_tp(&self, dp: &dyn Collectives, tp: &dyn Collectives) -> Result<BTreeMap<String, Tensor>> {
+        let local = self.state_tensors(dp)?;
+        if tp.size() == 1 {
+            return Ok(local);
+        }
+        local
+            .into_iter()
+            .map(|(k, t)| {
+                let name = k.split_once('.').map(|(_, n)| n).unwrap_or(&k);
+                let g = self.layout.gather_global(name, &t, tp)?;
+                Ok((k, g))
+            })
+            .collect()
+    }
+
+    /// [`Self::load_state_tensors`] from a map at global shapes (a checkpoint of any TP size):
+    /// this TP rank's shard of each tensor is loaded.
+    pub fn load_state_tensors_tp(
+        &mut self,
+        map: &BTreeMap<String, Tensor>,
+        num_steps: u64,
+        dp: &dyn Collectives,
+    ) -> Result<()> {
+        if self.layout.tp_size() == 1 {
+            return self.load_state_tensors(map, num_steps, dp);
+        }
+        let local = map
+            .iter()
+            .map(|(k, t)| {
+                let name = k.split_once('.').map(|(_, n)| n).unwrap_or(k);
+                let l = match self.layout.get(name) {
+                    Some(_) => self.layout.local_shard(name, t)?,
+                    None => t.clone(),
+                };
+                Ok((k.clone(), l))
+            })
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        self.load_state_tensors(&local, num_steps, dp)
+    }
+
     pub fn load_state_tensors(
         &mut self,
         map: &BTreeMap<String, Tensor>,

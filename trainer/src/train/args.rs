@@ -210,8 +210,9 @@ pub struct ParallelArgs {
     /// and Slurm's `srun` work too.
     #[arg(long)]
     pub nproc_per_node: Option<usize>,
-    /// Megatron's flag (`--tp`): tensor-parallel size. Only 1 yet (tensor parallelism is its own
-    /// issue); larger values are refused with an error.
+    /// Megatron's flag (`--tp`): tensor-parallel size (Megatron's column/row-parallel layers and
+    /// a vocab-parallel embedding and LM head). For now with GRPO-style policy losses and SFT;
+    /// the KL reference model and the PPO critic under TP are refused.
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", default_value_t = 1)]
     pub tensor_model_parallel_size: usize,
     /// Megatron's flag (`--cp`): context-parallel size. Only 1 yet (its own issue).
@@ -248,12 +249,6 @@ impl ParallelArgs {
         ensure!(
             self.tensor_model_parallel_size >= 1 && self.context_parallel_size >= 1,
             "--tensor-model-parallel-size and --context-parallel-size must be at least 1"
-        );
-        ensure!(
-            self.tensor_model_parallel_size == 1,
-            "--tensor-model-parallel-size {} is not supported yet: vime has data parallelism (and ZeRO-1) so far; \
-             tensor and sequence parallelism are the next step",
-            self.tensor_model_parallel_size
         );
         ensure!(
             self.context_parallel_size == 1,

@@ -54,6 +54,7 @@ use ui::Ui;
 use vime_dist::World;
 use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::model::{Qwen3, Recompute};
+use vime_qwen3::state_dict::param_specs;
 use vime_rollout::data::{PromptDataset, PromptSample, Tokenizer};
 use vime_rollout::engine::{FinishReason, GenOutput, GenRequest, SamplingParams};
 use vime_rollout::reward::{RewardModel, RewardSample};
@@ -185,6 +186,27 @@ impl<'a> Run<'a> {
 
         let mut policy = Qwen3::load_hf(&model_dir, dtype, &device)
             .with_context(|| format!("loading the policy from {}", model_dir.display()))?;
+        let tp = world.tp().clone();
+        if tp.size() > 1 {
+            // Every rank reads the checkpoint and keeps its TP shard (Megatron's split).
+            let cfg = policy.config().clone();
+            let table = crate::optim::qwen3_layout(&param_specs(&cfg), dtype, tp.rank(), tp.size())?;
+            let local = policy
+                .state_dict()
+                .into_iter()
+                .map(|(n, t)| Ok((n.clone(), table.local_shard(&n, &t)?.copy()?)))
+                .collect::<Result<BTreeMap<_, _>>>()?;
+            drop(policy);
+            policy = Qwen3::from_shards(
+                cfg,
+                local,
+                vime_qwen3::model::TpPlace {
+                    rank: tp.rank(),
+                    size: tp.size(),
+                },
+            )
+            .context("sharding the policy over the tensor-parallel group")?;
+        }
         policy.set_kernel_config(kernels.clone());
         let cfg = policy.config().clone();
         ensure!(
@@ -194,7 +216,12 @@ impl<'a> Run<'a> {
             tokenizer.vocab_size(),
             cfg.vocab_size
         );
-        let mut opt = DistributedAdamW::new(policy.named_parameters(), &args.optim, &**world.dp())?;
+        let mut opt = if tp.size() > 1 {
+            let table = crate::optim::qwen3_layout(&param_specs(&cfg), dtype, tp.rank(), tp.size())?;
+            DistributedAdamW::with_layout(policy.named_parameters(), table, &args.optim, &**world.dp())?
+        } else {
+            DistributedAdamW::new(policy.named_parameters(), &args.optim, &**world.dp())?
+        };
         let sched = LrScheduler::new(&args.optim)?;
 
         let mut state = TrainState {
@@ -206,7 +233,7 @@ impl<'a> Run<'a> {
             ..Default::default()
         };
         if let Some(l) = &resumed {
-            opt.load_state_tensors(&l.optimizer, l.state.optimizer_step, &**world.dp())
+            opt.load_state_tensors_tp(&l.optimizer, l.state.optimizer_step, &**world.dp())
                 .with_context(|| format!("loading the optimizer state of {}", l.dir.display()))?;
             state = l.state.clone();
             ui.log(&format!(
@@ -219,6 +246,18 @@ impl<'a> Run<'a> {
 
         let policy_loss = args.loss_type == LossType::PolicyLoss;
         let needs_ref = policy_loss && (args.rl.use_kl_loss || args.rl.kl_coef != 0.0);
+        if tp.size() > 1 {
+            ensure!(
+                !needs_ref,
+                "--tensor-model-parallel-size {} with a KL term: the reference model under tensor parallelism is not built yet",
+                tp.size()
+            );
+            ensure!(
+                !(policy_loss && args.rl.use_critic()),
+                "--tensor-model-parallel-size {} with a PPO critic: the critic under tensor parallelism is not built yet",
+                tp.size()
+            );
+        }
         let reference = if needs_ref {
             let dir = args
                 .ref_load
@@ -304,23 +343,27 @@ impl<'a> Run<'a> {
                 eos_ids.push(e);
             }
         }
+        // Under TP the engine (rank 0's) gets the whole model: every rank joins the gather.
+        let whole = whole_policy(&policy, &*tp, rank0)?;
+        let engine_policy = whole.as_ref().unwrap_or(&policy);
         let engine = match args.rollout_engine.as_str() {
             _ if !rank0 => None,
-            "embedded" => Some(Engine::embedded(&policy, eos_ids.clone(), args.seed, &args.sync)?),
+            "embedded" => Some(Engine::embedded(engine_policy, eos_ids.clone(), args.seed, &args.sync)?),
             _ => {
                 let sync_dir = args
                     .save
                     .clone()
                     .unwrap_or_else(|| std::env::temp_dir().join(format!("vime-sync-{}", std::process::id())))
                     .join("weights-for-engines");
-                let e = Engine::remote(&args.vllm, &args.sync, &policy, &model_dir, sync_dir)?;
+                let e = Engine::remote(&args.vllm, &args.sync, engine_policy, &model_dir, sync_dir)?;
                 if let Some(r) = &resumed {
-                    e.sync_weights(&policy, &tokenizer_dir, r.state.step)?;
+                    e.sync_weights(engine_policy, &tokenizer_dir, r.state.step)?;
                 }
                 Some(e)
             }
         };
 
+        drop(whole);
         let micro_batches = match args.max_tokens_per_gpu {
             Some(m) => MicroBatchPolicy::Dynamic { max_tokens_per_gpu: m },
             None => MicroBatchPolicy::Fixed {
@@ -459,9 +502,14 @@ impl<'a> Run<'a> {
             let sync_due = (args.loss_type == LossType::PolicyLoss
                 && (step.is_multiple_of(args.sync.update_weights_interval) || step == num_rollout))
                 || eval_now;
+            let whole = if sync_due {
+                whole_policy(&self.policy, &**self.world.tp(), self.engine.is_some())?
+            } else {
+                None
+            };
             if let (Some(engine), true) = (&self.engine, sync_due) {
                 let t = Instant::now();
-                let out = engine.sync_weights(&self.policy, &self.tokenizer_dir, step)?;
+                let out = engine.sync_weights(whole.as_ref().unwrap_or(&self.policy), &self.tokenizer_dir, step)?;
                 let dt = t.elapsed().as_secs_f64();
                 m.insert("perf/sync_time".into(), dt);
                 m.insert("perf/sync_gb_per_s".into(), out.bytes as f64 / 1e9 / dt.max(1e-9));
@@ -561,7 +609,8 @@ impl<'a> Run<'a> {
     /// rank 0 writes the checkpoint, the others wait for it.
     fn save(&mut self) -> Result<PathBuf> {
         let root = self.args.save.clone().context("internal: save without --save")?;
-        let optimizer = self.opt.state_tensors(&**self.world.dp())?;
+        let optimizer = self.opt.state_tensors_tp(&**self.world.dp(), &**self.world.tp())?;
+        let whole = whole_policy(&self.policy, &**self.world.tp(), self.world.rank() == 0)?;
         let critic_state = match &self.critic {
             Some((_, copt, _)) => Some(copt.state_tensors(&**self.world.dp())?),
             None => None,
@@ -576,7 +625,7 @@ impl<'a> Run<'a> {
         let extra = BTreeMap::new();
         let contents = CheckpointContents {
             state: &self.state,
-            model: &self.policy,
+            model: whole.as_ref().unwrap_or(&self.policy),
             model_dtype: self.policy.dtype(),
             optimizer: &optimizer,
             extra_tensors: &extra,
@@ -794,7 +843,8 @@ impl<'a> Run<'a> {
                     step::score_responses(&samples, idx, mbs, f)
                 })
             };
-            let old = split(&|b| Ok(self.policy.logprobs_entropy(b)?.logprobs))?;
+            let tp = &**self.world.tp();
+            let old = split(&|b| Ok(self.policy.logprobs_entropy_tp(b, tp)?.logprobs))?;
             let reference = match &self.reference {
                 Some(r) => Some(split(&|b| r.logprobs(b))?),
                 None => None,
@@ -890,6 +940,7 @@ impl<'a> Run<'a> {
             recompute: self.recompute,
             clip_grad: args.optim.clip_grad,
             dp: &**self.world.dp(),
+            tp: &**self.world.tp(),
             balance_data: args.parallel.balance_data,
         };
         for s in 0..steps {
@@ -1109,4 +1160,20 @@ fn brief(m: &BTreeMap<String, f64>) -> String {
     let t = get("perf/rollout_time").unwrap_or(0.0) + get("perf/train_time").unwrap_or(0.0);
     parts.push(format!("{t:.1}s"));
     parts.join(" | ")
+}
+
+/// Under tensor parallelism, the whole policy gathered from the TP shards (every TP rank must call
+/// it: the gather is collective), kept where `keep` (the rank that needs it: the engine's, the
+/// checkpoint writer); `None` without TP (the policy itself is whole).
+fn whole_policy(policy: &Qwen3, tp: &dyn vime_dist::Collectives, keep: bool) -> Result<Option<Qwen3>> {
+    if tp.size() == 1 {
+        return Ok(None);
+    }
+    let full = policy.gathered_state_dict(tp)?;
+    if !keep {
+        return Ok(None);
+    }
+    let mut m = Qwen3::from_tensors(policy.config().clone(), full)?;
+    m.set_kernel_config(policy.kernel_config().clone());
+    Ok(Some(m))
 }

@@ -156,6 +156,8 @@ pub struct StepConfig<'a> {
     /// The data-parallel group: each step's samples are split over it (`--balance-data` picks
     /// how), and the optimizer reduces the gradients over it.
     pub dp: &'a dyn vime_dist::Collectives,
+    /// The tensor-parallel group of the model's shards (a group of one without TP).
+    pub tp: &'a dyn vime_dist::Collectives,
     pub balance_data: bool,
 }
 
@@ -229,7 +231,9 @@ fn optimizer_step(
     report.micro_batches = report.metrics.remove(mk).unwrap_or(0.0) as usize;
     report.lr = sched.lr_at(opt.num_steps());
     // Reduce-scatter, global norm, clipping folded into the update, all-gather.
-    report.grad_norm = opt.step(&grads, report.lr, cfg.clip_grad, cfg.dp)?;
+    report.grad_norm = opt
+        .step_stats_tp(&grads, report.lr, cfg.clip_grad, cfg.dp, cfg.tp)?
+        .grad_norm;
     Ok(report)
 }
 
@@ -262,25 +266,30 @@ pub fn policy_step(
             let reference = data.ref_log_probs.map(|r| lt.host(mb, r, &device)).transpose()?;
             let roll = rollout.as_deref().map(|r| lt.host(mb, r, &device)).transpose()?;
             let mut metrics = BTreeMap::new();
-            let (_, grads) = model.forward_backward(&mb.batch, cfg.recompute, |o| {
-                let logp = lt.gather(&o.logprobs)?;
-                let entropy = lt.gather(&o.entropy)?;
-                let reducer = lt.reducer(per_token)?;
-                let out = policy_loss(
-                    cfg.rl,
-                    &PolicyLossInputs {
-                        log_probs: &logp,
-                        entropy: &entropy,
-                        advantages: &adv,
-                        old_log_probs: Some(&old),
-                        ref_log_probs: reference.as_ref(),
-                        rollout_log_probs: roll.as_ref(),
-                    },
-                    &reducer,
-                )?;
-                accumulate(&mut metrics, &out.metrics, 1.0 / norm);
-                Ok((out.loss / norm)?)
-            })?;
+            let (_, grads) = model.forward_backward_tp(
+                &mb.batch,
+                cfg.recompute,
+                |o| {
+                    let logp = lt.gather(&o.logprobs)?;
+                    let entropy = lt.gather(&o.entropy)?;
+                    let reducer = lt.reducer(per_token)?;
+                    let out = policy_loss(
+                        cfg.rl,
+                        &PolicyLossInputs {
+                            log_probs: &logp,
+                            entropy: &entropy,
+                            advantages: &adv,
+                            old_log_probs: Some(&old),
+                            ref_log_probs: reference.as_ref(),
+                            rollout_log_probs: roll.as_ref(),
+                        },
+                        &reducer,
+                    )?;
+                    accumulate(&mut metrics, &out.metrics, 1.0 / norm);
+                    Ok((out.loss / norm)?)
+                },
+                cfg.tp,
+            )?;
             Ok((grads.params, metrics))
         },
         &device,
@@ -307,16 +316,22 @@ pub fn sft_step(
         sched,
         |mb, lt, norm| {
             let mut metrics = BTreeMap::new();
-            let (_, grads) = model.forward_backward(&mb.batch, cfg.recompute, |o| {
-                let logp = lt.gather(&o.logprobs)?;
-                let entropy = lt.gather(&o.entropy)?;
-                let reducer = lt.reducer(per_token)?;
-                let loss = reducer.reduce(&logp)?.neg()?;
-                let sum = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
-                metrics.insert("loss".to_string(), sum(&loss)? / norm);
-                metrics.insert("entropy_loss".to_string(), sum(&reducer.reduce(&entropy)?)? / norm);
-                Ok((loss / norm)?)
-            })?;
+            let (_, grads) = model.forward_backward_tp(
+                &mb.batch,
+                cfg.recompute,
+                |o| {
+                    let logp = lt.gather(&o.logprobs)?;
+                    let entropy = lt.gather(&o.entropy)?;
+                    let reducer = lt.reducer(per_token)?;
+                    let loss = reducer.reduce(&logp)?.neg()?;
+                    let sum =
+                        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
+                    metrics.insert("loss".to_string(), sum(&loss)? / norm);
+                    metrics.insert("entropy_loss".to_string(), sum(&reducer.reduce(&entropy)?)? / norm);
+                    Ok((loss / norm)?)
+                },
+                cfg.tp,
+            )?;
             Ok((grads.params, metrics))
         },
         &device,
