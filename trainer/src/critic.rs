@@ -276,4 +276,16 @@ impl ReferenceModel {
     pub fn logprobs(&self, batch: &PackedBatch) -> Result<Tensor> {
         Ok(self.model.logprobs_entropy(batch)?.logprobs)
     }
+
+    /// This reference as TP rank `rank` of `size` holds it (see `Qwen3::shard`).
+    pub fn shard(&self, rank: usize, size: usize) -> Result<Self> {
+        Ok(Self {
+            model: self.model.shard(vime_qwen3::model::TpPlace { rank, size })?,
+        })
+    }
+
+    /// [`Self::logprobs`] of a TP shard, with its TP group.
+    pub fn logprobs_tp(&self, batch: &PackedBatch, tp: &dyn vime_dist::Collectives) -> Result<Tensor> {
+        Ok(self.model.logprobs_entropy_tp(batch, tp)?.logprobs)
+    }
 }

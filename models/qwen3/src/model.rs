@@ -264,6 +264,28 @@ impl Qwen3 {
         checkpoint::save_hf_checkpoint(dir, &self.cfg, &self.state_dict(), dtype, max_shard_bytes)
     }
 
+    /// The shard of TP place `tp` of this (unsharded) model: its Megatron split of every
+    /// parameter, copied, with this model's kernel settings.
+    pub fn shard(&self, tp: TpPlace) -> Result<Self> {
+        if self.tp.size != 1 {
+            bail!(
+                "shard: the model is already TP rank {} of {}",
+                self.tp.rank,
+                self.tp.size
+            );
+        }
+        let table = layout_table(&self.cfg, tp)?;
+        let local = self
+            .params
+            .iter()
+            .map(|(n, v)| Ok((n.clone(), table.local_shard(n, v.as_tensor())?.copy()?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let mut m = Self::from_shards(self.cfg.clone(), local, tp)?;
+        m.ctx.kernels = self.ctx.kernels.clone();
+        m.logits_chunk_tokens = self.logits_chunk_tokens;
+        Ok(m)
+    }
+
     /// Every parameter as the full HF tensor, gathered over the TP group (on every rank; a
     /// collective). At TP = 1, the state dict itself.
     pub fn gathered_state_dict(&self, tp: &dyn Collectives) -> Result<BTreeMap<String, Tensor>> {

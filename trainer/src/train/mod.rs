@@ -189,23 +189,12 @@ impl<'a> Run<'a> {
         let tp = world.tp().clone();
         if tp.size() > 1 {
             // Every rank reads the checkpoint and keeps its TP shard (Megatron's split).
-            let cfg = policy.config().clone();
-            let table = crate::optim::qwen3_layout(&param_specs(&cfg), dtype, tp.rank(), tp.size())?;
-            let local = policy
-                .state_dict()
-                .into_iter()
-                .map(|(n, t)| Ok((n.clone(), table.local_shard(&n, &t)?.copy()?)))
-                .collect::<Result<BTreeMap<_, _>>>()?;
-            drop(policy);
-            policy = Qwen3::from_shards(
-                cfg,
-                local,
-                vime_qwen3::model::TpPlace {
+            policy = policy
+                .shard(vime_qwen3::model::TpPlace {
                     rank: tp.rank(),
                     size: tp.size(),
-                },
-            )
-            .context("sharding the policy over the tensor-parallel group")?;
+                })
+                .context("sharding the policy over the tensor-parallel group")?;
         }
         policy.set_kernel_config(kernels.clone());
         let cfg = policy.config().clone();
@@ -248,11 +237,6 @@ impl<'a> Run<'a> {
         let needs_ref = policy_loss && (args.rl.use_kl_loss || args.rl.kl_coef != 0.0);
         if tp.size() > 1 {
             ensure!(
-                !needs_ref,
-                "--tensor-model-parallel-size {} with a KL term: the reference model under tensor parallelism is not built yet",
-                tp.size()
-            );
-            ensure!(
                 !(policy_loss && args.rl.use_critic()),
                 "--tensor-model-parallel-size {} with a PPO critic: the critic under tensor parallelism is not built yet",
                 tp.size()
@@ -265,6 +249,9 @@ impl<'a> Run<'a> {
                 .or(args.hf_checkpoint.as_ref())
                 .context("the KL terms need a reference model: pass --ref-load (or --hf-checkpoint)")?;
             let mut reference = ReferenceModel::load(dir, dtype, &device)?;
+            if tp.size() > 1 {
+                reference = reference.shard(tp.rank(), tp.size())?;
+            }
             reference.set_kernel_config(kernels.clone());
             Some(reference)
         } else {
@@ -846,7 +833,7 @@ impl<'a> Run<'a> {
             let tp = &**self.world.tp();
             let old = split(&|b| Ok(self.policy.logprobs_entropy_tp(b, tp)?.logprobs))?;
             let reference = match &self.reference {
-                Some(r) => Some(split(&|b| r.logprobs(b))?),
+                Some(r) => Some(split(&|b| r.logprobs_tp(b, tp))?),
                 None => None,
             };
             let values = match &self.critic {
