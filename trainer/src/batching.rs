@@ -417,6 +417,8 @@ pub struct MicroBatch {
     pub loss_mask: Vec<f32>,
     /// Per packed sequence: `max(1, sum(loss_mask))`.
     clamped_loss_tokens: Vec<f64>,
+    /// Padding tokens appended by [`Self::pad_to_multiple`] (after every sample).
+    padding: usize,
 }
 
 impl MicroBatch {
@@ -462,11 +464,38 @@ impl MicroBatch {
             response_ranges,
             loss_mask,
             clamped_loss_tokens: clamped,
+            padding: 0,
         })
     }
 
+    /// Packed tokens, padding included (the length of every per-token tensor of the batch).
     pub fn num_tokens(&self) -> usize {
         self.batch.num_tokens()
+    }
+
+    /// The samples' tokens (padding excluded): what throughput counts.
+    pub fn sample_tokens(&self) -> usize {
+        self.batch.num_tokens() - self.padding
+    }
+
+    /// Appends one padding sequence (token 0, outside every response and the loss mask) so the
+    /// packed token count is a multiple of `m`: sequence parallelism splits the tokens evenly over
+    /// the TP ranks. vime pads to the TP size itself (at most `m - 1` tokens); slime pads to TP x
+    /// 128, for kernel shapes vime's varlen kernels do not need.
+    pub fn pad_to_multiple(&mut self, m: usize) -> Result<()> {
+        let t = self.batch.num_tokens();
+        let k = if m <= 1 { 0 } else { (m - t % m) % m };
+        if k == 0 {
+            return Ok(());
+        }
+        let mut seqs: Vec<Vec<u32>> = (0..self.batch.num_sequences())
+            .map(|s| self.batch.input_ids[self.batch.seq_range(s)].to_vec())
+            .collect();
+        seqs.push(vec![0; k]);
+        self.batch = PackedBatch::from_sequences(&seqs).context("padding a micro-batch")?;
+        self.loss_mask.resize(t + k, 0.0);
+        self.padding += k;
+        Ok(())
     }
 
     pub fn num_samples(&self) -> usize {

@@ -284,6 +284,11 @@ impl ReferenceModel {
         })
     }
 
+    /// Sequence parallelism for this TP shard (see `Qwen3::set_sequence_parallel`).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.model.set_sequence_parallel(on);
+    }
+
     /// [`Self::logprobs`] of a TP shard, with its TP group.
     pub fn logprobs_tp(&self, batch: &PackedBatch, tp: &dyn vime_dist::Collectives) -> Result<Tensor> {
         Ok(self.model.logprobs_entropy_tp(batch, tp)?.logprobs)

@@ -452,8 +452,9 @@ fn ctrl_c_stops_every_rank_at_one_step() {
 // tensor parallelism in the loop
 // ------------------------------------------------------------------------------------------
 
-/// One GRPO step (with the KL term, so the reference model is sharded too) at TP = 2 (2 processes)
-/// and TP = 2 x DP = 2 (4 processes) against TP = 1, on the arithmetic task's model (vocabulary of
+/// One GRPO step (with the KL term, so the reference model is sharded too) at TP = 2 (2 processes),
+/// TP = 2 x DP = 2 (4 processes) and TP = 2 with sequence parallelism (micro-batches padded to
+/// even token counts) against TP = 1, on the arithmetic task's model (vocabulary of
 /// 14, 2 KV heads). Every rank loads the checkpoint and keeps its shard; the saved checkpoint and
 /// optimizer state are gathered to global shapes, so they compare name for name, and resume at the
 /// other TP size. Bounds as for DP (the TP sums run in another order as well). The random model
@@ -494,9 +495,18 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
     let base_opt = load(&iter_dir(&base, 1).join("optimizer.safetensors"));
     let before_master: BTreeMap<String, Tensor> =
         before.iter().map(|(k, v)| (format!("master.{k}"), v.clone())).collect();
-    for (nproc, label) in [(2usize, "tp 2"), (4, "tp 2 x dp 2")] {
-        let save = dir.path().join(format!("tp2-{nproc}"));
-        run(nproc, &flags_for(&save, &["--tp", "2"]));
+    for (nproc, label, sp) in [
+        (2usize, "tp 2", false),
+        (4, "tp 2 x dp 2", false),
+        (2, "tp 2 + sp", true),
+    ] {
+        let save = dir.path().join(format!("tp2-{nproc}-{sp}"));
+        let tp_flags: &[&str] = if sp {
+            &["--tp", "2", "--sequence-parallel"]
+        } else {
+            &["--tp", "2"]
+        };
+        run(nproc, &flags_for(&save, tp_flags));
         for key in ["train/loss", "train/grad_norm", "train/entropy_loss", "train/kl_loss"] {
             let (a, b) = (metric(&base, 1, key), metric(&save, 1, key));
             let err = (a - b).abs() / a.abs().max(1e-3);

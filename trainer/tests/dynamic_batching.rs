@@ -539,3 +539,39 @@ fn micro_batches_of_balanced_ranks_also_accumulate_exactly() -> Result<()> {
     assert_grads_close(&total, &g_full, 1e-5)?;
     Ok(())
 }
+
+/// Sequence parallelism pads a micro-batch to a multiple of the TP size with one padding sequence
+/// after every sample: outside the responses and the loss mask, not counted as sample tokens, and
+/// the samples' packed positions unchanged.
+#[test]
+fn padding_to_a_multiple_adds_one_masked_sequence() -> Result<()> {
+    let a: Vec<u32> = vec![1, 2, 3, 4, 5];
+    let b: Vec<u32> = vec![6, 7, 8];
+    let samples = [
+        SampleView {
+            tokens: &a,
+            response_length: 3,
+            loss_mask: None,
+        },
+        SampleView {
+            tokens: &b,
+            response_length: 2,
+            loss_mask: None,
+        },
+    ];
+    let mut mb = MicroBatch::new(&samples, &[0, 1])?;
+    let before = (mb.response_ranges.clone(), mb.loss_mask.clone());
+    mb.pad_to_multiple(4)?; // 8 tokens: nothing to add
+    assert_eq!(mb.num_tokens(), 8);
+    mb.pad_to_multiple(3)?; // 8 -> 9
+    assert_eq!((mb.num_tokens(), mb.sample_tokens()), (9, 8));
+    assert_eq!(&*mb.batch.input_ids, &[1, 2, 3, 4, 5, 6, 7, 8, 0]);
+    assert_eq!(mb.batch.num_sequences(), 3);
+    assert_eq!(mb.response_ranges, before.0);
+    assert_eq!(&mb.loss_mask[..8], &before.1[..]);
+    assert_eq!(mb.loss_mask[8], 0.0);
+    let x = Tensor::arange(0f32, 9.0, &Device::Cpu)?;
+    let back = mb.responses_from_packed(&x)?;
+    assert_eq!(back, vec![(0, vec![1.0, 2.0, 3.0]), (1, vec![5.0, 6.0])]);
+    Ok(())
+}

@@ -215,6 +215,11 @@ pub struct ParallelArgs {
     /// the KL reference model and the PPO critic under TP are refused.
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", default_value_t = 1)]
     pub tensor_model_parallel_size: usize,
+    /// Megatron's flag: sequence parallelism with TP (the residual stream and the norms hold each TP
+    /// rank's slice of the tokens; micro-batches are padded to a multiple of the TP size). No
+    /// effect at TP 1.
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Megatron's flag (`--cp`): context-parallel size. Only 1 yet (its own issue).
     #[arg(long = "context-parallel-size", visible_alias = "cp", default_value_t = 1)]
     pub context_parallel_size: usize,

@@ -197,6 +197,7 @@ impl<'a> Run<'a> {
                 .context("sharding the policy over the tensor-parallel group")?;
         }
         policy.set_kernel_config(kernels.clone());
+        policy.set_sequence_parallel(args.parallel.sequence_parallel);
         let cfg = policy.config().clone();
         ensure!(
             tokenizer.vocab_size() <= cfg.vocab_size,
@@ -251,6 +252,7 @@ impl<'a> Run<'a> {
             let mut reference = ReferenceModel::load(dir, dtype, &device)?;
             if tp.size() > 1 {
                 reference = reference.shard(tp.rank(), tp.size())?;
+                reference.set_sequence_parallel(args.parallel.sequence_parallel);
             }
             reference.set_kernel_config(kernels.clone());
             Some(reference)
@@ -408,6 +410,15 @@ impl<'a> Run<'a> {
 
     /// Ctrl-C, agreed by every rank at a step boundary: all stop at the same point, none is left
     /// waiting in a collective.
+    /// Micro-batches' token counts must divide by this (the TP size under sequence parallelism).
+    fn pad_tokens_to(&self) -> usize {
+        if self.policy.sequence_parallel() {
+            self.world.dims().tp
+        } else {
+            1
+        }
+    }
+
     fn interrupted(&self) -> Result<bool> {
         self.world.agree_any(interrupted())
     }
@@ -827,7 +838,7 @@ impl<'a> Run<'a> {
             let lengths: Vec<usize> = samples.iter().map(|s| s.tokens.len()).collect();
             let split = |f: &dyn Fn(&PackedBatch) -> Result<candle_core::Tensor>| {
                 parallel::score_split(dp, &lengths, balance, |idx| {
-                    step::score_responses(&samples, idx, mbs, f)
+                    step::score_responses(&samples, idx, mbs, self.pad_tokens_to(), f)
                 })
             };
             let tp = &**self.world.tp();
@@ -929,6 +940,7 @@ impl<'a> Run<'a> {
             dp: &**self.world.dp(),
             tp: &**self.world.tp(),
             balance_data: args.parallel.balance_data,
+            pad_tokens_to: self.pad_tokens_to(),
         };
         for s in 0..steps {
             let idx: Vec<usize> = (s * g..(s + 1) * g).collect();

@@ -107,6 +107,7 @@ pub fn score_responses(
     samples: &[Sample],
     subset: &[usize],
     policy: MicroBatchPolicy,
+    pad_tokens_to: usize,
     f: impl Fn(&PackedBatch) -> Result<Tensor>,
 ) -> Result<Vec<Vec<f32>>> {
     let views: Vec<SampleView> = samples.iter().map(Sample::view).collect();
@@ -114,7 +115,8 @@ pub fn score_responses(
     let mut out: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
     for mb_local in policy.plan(&lengths)? {
         let mb_idx: Vec<usize> = mb_local.iter().map(|&j| subset[j]).collect();
-        let mb = MicroBatch::new(&views, &mb_idx)?;
+        let mut mb = MicroBatch::new(&views, &mb_idx)?;
+        mb.pad_to_multiple(pad_tokens_to)?;
         for (i, v) in mb.responses_from_packed(&f(&mb.batch)?)? {
             out.insert(i, v);
         }
@@ -159,6 +161,9 @@ pub struct StepConfig<'a> {
     /// The tensor-parallel group of the model's shards (a group of one without TP).
     pub tp: &'a dyn vime_dist::Collectives,
     pub balance_data: bool,
+    /// Pad each micro-batch's tokens to a multiple of this (the TP size under sequence
+    /// parallelism, else 1).
+    pub pad_tokens_to: usize,
 }
 
 fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>, scale: f64) {
@@ -199,12 +204,13 @@ fn optimizer_step(
     let (mut tokens, mut micro_batches) = (0usize, 0usize);
     for local in cfg.micro_batches.plan(&lengths)? {
         let global: Vec<usize> = local.iter().map(|&j| mine[j]).collect();
-        let mb = MicroBatch::new(&views, &global)?;
+        let mut mb = MicroBatch::new(&views, &global)?;
+        mb.pad_to_multiple(cfg.pad_tokens_to)?;
         let lt = LossTokens::new(&mb, device)?;
         let (grads, metrics) = mb_fn(&mb, &lt, norm)?;
         acc.add(&grads)?;
         accumulate(&mut report.metrics, &metrics, 1.0);
-        tokens += mb.num_tokens();
+        tokens += mb.sample_tokens();
         micro_batches += 1;
     }
     let grads = acc.take();
