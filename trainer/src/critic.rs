@@ -209,6 +209,60 @@ impl Critic {
         self.head(&self.backbone.hidden_states(batch)?, false)
     }
 
+    /// This critic as TP rank `rank` of `size` holds it: the backbone's shard, the value head
+    /// replicated.
+    pub fn shard(&self, rank: usize, size: usize) -> Result<Self> {
+        let backbone = self.backbone.shard(vime_qwen3::model::TpPlace { rank, size })?;
+        Self::new(
+            backbone,
+            &self.weight.as_detached_tensor(),
+            &self.bias.as_detached_tensor(),
+        )
+    }
+
+    /// The whole critic from the TP shards (a collective over `tp`; kept where `keep`).
+    pub fn gathered(&self, tp: &dyn vime_dist::Collectives, keep: bool) -> Result<Option<Self>> {
+        let full = self.backbone.gathered_state_dict(tp)?;
+        if !keep {
+            return Ok(None);
+        }
+        let mut b = Qwen3::from_tensors(self.backbone.config().clone(), full)?;
+        b.set_kernel_config(self.backbone.kernel_config().clone());
+        Ok(Some(Self::new(
+            b,
+            &self.weight.as_detached_tensor(),
+            &self.bias.as_detached_tensor(),
+        )?))
+    }
+
+    /// [`Self::values`] of a TP shard, with its TP group.
+    pub fn values_tp(&self, batch: &PackedBatch, tp: &dyn vime_dist::Collectives) -> Result<Tensor> {
+        self.head(&self.backbone.hidden_states_tp(batch, tp)?, false)
+    }
+
+    /// The optimizer layout of this critic at its TP place: the backbone's Megatron split, the
+    /// value head replicated.
+    pub fn layout(&self, dtype: DType, tp_rank: usize, tp_size: usize) -> Result<vime_dist::layout::LayoutTable> {
+        let specs: Vec<vime_qwen3::state_dict::ParamSpec> = vime_qwen3::state_dict::param_specs(self.config())
+            .into_iter()
+            .filter(|s| s.name != LM_HEAD)
+            .collect();
+        let table = crate::optim::qwen3_layout(&specs, dtype, tp_rank, tp_size)?;
+        let mut entries: Vec<vime_dist::layout::LayoutEntry> =
+            table.entries().iter().map(|p| p.entry.clone()).collect();
+        // The value head as `replicated_layout` describes it at TP 1 (same weight-decay rule).
+        for (n, v) in [(VALUE_HEAD_WEIGHT, &self.weight), (VALUE_HEAD_BIAS, &self.bias)] {
+            entries.push(vime_dist::layout::LayoutEntry::new(
+                n.to_string(),
+                v.dims(),
+                v.dtype(),
+                crate::optim::megatron_weight_decay(n, v.dims()),
+                vime_dist::layout::Placement::Replicated,
+            ));
+        }
+        vime_dist::layout::LayoutTable::new(entries, tp_rank, tp_size)
+    }
+
     /// Values of a micro-batch read back per sample's response tokens (for old values / GAE).
     pub fn response_values(&self, mb: &MicroBatch) -> Result<Vec<(usize, Vec<f32>)>> {
         mb.responses_from_packed(&self.values(&mb.batch)?)
@@ -222,9 +276,20 @@ impl Critic {
         recompute: Recompute,
         loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<(f64, Gradients)> {
-        let (loss, mut grads) = self
-            .backbone
-            .forward_backward_with_head(batch, recompute, |h| loss_fn(&self.head(h, true)?))?;
+        self.forward_backward_tp(batch, recompute, loss_fn, &vime_dist::SingleRank::default())
+    }
+
+    /// [`Self::forward_backward`] of a TP shard, with its TP group.
+    pub fn forward_backward_tp(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+        tp: &dyn vime_dist::Collectives,
+    ) -> Result<(f64, Gradients)> {
+        let (loss, mut grads) =
+            self.backbone
+                .forward_backward_with_head_tp(batch, recompute, |h| loss_fn(&self.head(h, true)?), tp)?;
         grads.params.remove(LM_HEAD);
         for (name, var) in [(VALUE_HEAD_WEIGHT, &self.weight), (VALUE_HEAD_BIAS, &self.bias)] {
             let g = match grads.head.remove(var.as_tensor()) {

@@ -589,6 +589,18 @@ impl Qwen3 {
         self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), &SingleRank::default())
     }
 
+    /// [`Self::forward_backward_with_head`] of a tensor-parallel shard (no sequence parallelism:
+    /// the head sees the replicated hidden states, so its own gradients are equal on every rank).
+    pub fn forward_backward_with_head_tp(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        head: impl FnOnce(&Tensor) -> Result<Tensor>,
+        tp: &dyn Collectives,
+    ) -> Result<(f64, Gradients)> {
+        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), tp)
+    }
+
     fn forward_backward_impl(
         &self,
         batch: &PackedBatch,

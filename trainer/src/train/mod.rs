@@ -238,9 +238,8 @@ impl<'a> Run<'a> {
         let needs_ref = policy_loss && (args.rl.use_kl_loss || args.rl.kl_coef != 0.0);
         if tp.size() > 1 {
             ensure!(
-                !(policy_loss && args.rl.use_critic()),
-                "--tensor-model-parallel-size {} with a PPO critic: the critic under tensor parallelism is not built yet",
-                tp.size()
+                !(policy_loss && args.rl.use_critic() && args.parallel.sequence_parallel),
+                "--sequence-parallel with a PPO critic: the value head under sequence parallelism is not built yet"
             );
         }
         let reference = if needs_ref {
@@ -276,12 +275,20 @@ impl<'a> Run<'a> {
                     }
                 }
             };
+            if tp.size() > 1 {
+                critic = critic.shard(tp.rank(), tp.size())?;
+            }
             critic.set_kernel_config(kernels.clone());
             let critic_args = OptimizerArgs {
                 lr: args.critic_lr.unwrap_or(args.optim.lr),
                 ..args.optim.clone()
             };
-            let mut copt = DistributedAdamW::new(&critic.named_parameters(), &critic_args, &**world.dp())?;
+            let mut copt = if tp.size() > 1 {
+                let table = critic.layout(dtype, tp.rank(), tp.size())?;
+                DistributedAdamW::with_layout(&critic.named_parameters(), table, &critic_args, &**world.dp())?
+            } else {
+                DistributedAdamW::new(&critic.named_parameters(), &critic_args, &**world.dp())?
+            };
             if let Some(l) = &resumed {
                 if !l.critic_optimizer.is_empty() {
                     let steps = l
@@ -290,7 +297,7 @@ impl<'a> Run<'a> {
                         .get("critic_optimizer_step")
                         .and_then(|v| v.as_u64())
                         .unwrap_or(0);
-                    copt.load_state_tensors(&l.critic_optimizer, steps, &**world.dp())?;
+                    copt.load_state_tensors_tp(&l.critic_optimizer, steps, &**world.dp())?;
                 }
             }
             Some((critic, copt, LrScheduler::new(&critic_args)?))
@@ -610,8 +617,12 @@ impl<'a> Run<'a> {
         let optimizer = self.opt.state_tensors_tp(&**self.world.dp(), &**self.world.tp())?;
         let whole = whole_policy(&self.policy, &**self.world.tp(), self.world.rank() == 0)?;
         let critic_state = match &self.critic {
-            Some((_, copt, _)) => Some(copt.state_tensors(&**self.world.dp())?),
+            Some((_, copt, _)) => Some(copt.state_tensors_tp(&**self.world.dp(), &**self.world.tp())?),
             None => None,
+        };
+        let whole_critic = match &self.critic {
+            Some((c, _, _)) if self.world.tp().size() > 1 => c.gathered(&**self.world.tp(), self.world.rank() == 0)?,
+            _ => None,
         };
         if self.world.rank() != 0 {
             self.world
@@ -629,7 +640,7 @@ impl<'a> Run<'a> {
             extra_tensors: &extra,
             tokenizer_dir: Some(&self.tokenizer_dir),
             critic: match (&self.critic, &critic_state) {
-                (Some((c, _, _)), Some(s)) => Some((c, s)),
+                (Some((c, _, _)), Some(s)) => Some((whole_critic.as_ref().unwrap_or(c), s)),
                 _ => None,
             },
         };
@@ -848,7 +859,7 @@ impl<'a> Run<'a> {
                 None => None,
             };
             let values = match &self.critic {
-                Some((c, _, _)) => Some(split(&|b| c.values(b))?),
+                Some((c, _, _)) => Some(split(&|b| c.values_tp(b, tp))?),
                 None => None,
             };
             (old, reference, values)

@@ -369,21 +369,26 @@ pub fn critic_step(
             let old = lt.host(mb, old_values, &device)?;
             let ret = lt.host(mb, returns, &device)?;
             let mut metrics = BTreeMap::new();
-            let (_, grads) = critic.forward_backward(&mb.batch, cfg.recompute, |v| {
-                let values = lt.gather(v)?.to_dtype(candle_core::DType::F32)?;
-                let reducer = lt.reducer(per_token)?;
-                let out = value_loss(
-                    cfg.rl,
-                    &ValueLossInputs {
-                        values: &values,
-                        old_values: &old,
-                        returns: &ret,
-                    },
-                    &reducer,
-                )?;
-                accumulate(&mut metrics, &out.metrics, 1.0 / norm);
-                Ok((out.loss / norm)?)
-            })?;
+            let (_, grads) = critic.forward_backward_tp(
+                &mb.batch,
+                cfg.recompute,
+                |v| {
+                    let values = lt.gather(v)?.to_dtype(candle_core::DType::F32)?;
+                    let reducer = lt.reducer(per_token)?;
+                    let out = value_loss(
+                        cfg.rl,
+                        &ValueLossInputs {
+                            values: &values,
+                            old_values: &old,
+                            returns: &ret,
+                        },
+                        &reducer,
+                    )?;
+                    accumulate(&mut metrics, &out.metrics, 1.0 / norm);
+                    Ok((out.loss / norm)?)
+                },
+                cfg.tp,
+            )?;
             Ok((grads.params, metrics))
         },
         &device,
