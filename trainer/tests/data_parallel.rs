@@ -20,8 +20,14 @@ fn bin() -> &'static str {
 }
 
 fn task(dir: &Path) -> (PathBuf, PathBuf) {
+    task_of(TaskKind::Reverse, dir)
+}
+
+/// The task's model (4 heads, 2 KV heads, head_dim 16) and training prompts. The reverse task's
+/// character vocabulary has 13 ids, the arithmetic task's 14 (it splits over TP 2).
+fn task_of(kind: TaskKind, dir: &Path) -> (PathBuf, PathBuf) {
     let made = make_task(&MakeTaskArgs {
-        task: TaskKind::Reverse,
+        task: kind,
         out: dir.to_path_buf(),
         min_len: 2,
         max_len: 5,
@@ -464,26 +470,8 @@ fn ctrl_c_stops_every_rank_at_one_step() {
 #[test]
 fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
     let dir = tempfile::tempdir().unwrap();
-    let made = make_task(&MakeTaskArgs {
-        task: TaskKind::Arith,
-        out: dir.path().join("task"),
-        min_len: 2,
-        max_len: 5,
-        min_digits: 1,
-        max_digits: 2,
-        ops: "+".into(),
-        n_train: 40,
-        n_eval: 4,
-        seed: 5,
-        hidden_size: 64,
-        intermediate_size: 128,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 16,
-    })
-    .unwrap();
-    let (model, train) = (made.model_dir, made.files.train);
+    let (model, train) = task_of(TaskKind::Arith, &dir.path().join("task"));
+
     let flags_for = |save: &Path, extra: &[&str]| -> Vec<String> {
         let mut f = flags(&model, &train, save, 1, 1);
         f.extend(extra.iter().map(|s| s.to_string()));
@@ -611,7 +599,6 @@ fn tp_refusals_name_the_reason() {
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
-    // The reverse task's character vocabulary has 13 ids.
     let (model, train) = task(&dir.path().join("task"));
     let e = fail(&model, &train, &[]);
     assert!(
@@ -619,30 +606,8 @@ fn tp_refusals_name_the_reason() {
         "{e}"
     );
     // The arithmetic task's 14 divide; a value head under sequence parallelism is not built yet.
-    let made = make_task(&MakeTaskArgs {
-        task: TaskKind::Arith,
-        out: dir.path().join("arith"),
-        min_len: 2,
-        max_len: 5,
-        min_digits: 1,
-        max_digits: 2,
-        ops: "+".into(),
-        n_train: 8,
-        n_eval: 2,
-        seed: 5,
-        hidden_size: 32,
-        intermediate_size: 64,
-        num_hidden_layers: 1,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-    })
-    .unwrap();
-    let e = fail(
-        &made.model_dir,
-        &made.files.train,
-        &["--advantage-estimator", "ppo", "--sequence-parallel"],
-    );
+    let (model, train) = task_of(TaskKind::Arith, &dir.path().join("arith"));
+    let e = fail(&model, &train, &["--advantage-estimator", "ppo", "--sequence-parallel"]);
     assert!(
         e.contains("value head under sequence parallelism is not built yet"),
         "{e}"

@@ -551,8 +551,7 @@ impl DistributedAdamW {
         local
             .into_iter()
             .map(|(k, t)| {
-                let name = k.split_once('.').map(|(_, n)| n).unwrap_or(&k);
-                let g = self.layout.gather_global(name, &t, tp)?;
+                let g = self.layout.gather_global(state_param(&k), &t, tp)?;
                 Ok((k, g))
             })
             .collect()
@@ -572,7 +571,7 @@ impl DistributedAdamW {
         let local = map
             .iter()
             .map(|(k, t)| {
-                let name = k.split_once('.').map(|(_, n)| n).unwrap_or(k);
+                let name = state_param(k);
                 let l = match self.layout.get(name) {
                     Some(_) => self.layout.local_shard(name, t)?,
                     None => t.clone(),
@@ -636,6 +635,11 @@ fn sum_squares(t: &Tensor) -> Result<f64> {
         return Ok(vime_kernels::cuda::sum_squares(&[&t.contiguous()?])?[0]);
     }
     Ok(t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?)
+}
+
+/// The parameter an optimizer-state key (`master.NAME`, `exp_avg.NAME`, ...) belongs to.
+fn state_param(key: &str) -> &str {
+    key.split_once('.').map(|(_, n)| n).unwrap_or(key)
 }
 
 /// The global gradient norm over tensor-parallel shards (dp = 1): squares of TP-split parameters
