@@ -482,11 +482,49 @@ fn killed_engine_behind_router_names_router_and_worker() {
         err.contains(&router.url) && err.contains(&s.url),
         "error names router and worker: {err}"
     );
-    assert!(err.contains("502"), "{err}");
+    // The dead worker was deregistered after the first failed attempt, so the router had nobody.
+    assert!(err.contains("No available workers"), "{err}");
+    assert!(
+        err.contains(&format!(
+            "deregistered from the router as down: {} (connection failed",
+            s.url
+        )),
+        "{err}"
+    );
+    assert_eq!(client.stats().deregistered_dead, 1);
     assert!(client.stats().retries >= 3);
     assert!(took < Duration::from_secs(15), "gave up in {took:?}");
     client.shutdown().unwrap();
     assert!(router.workers().is_empty());
+}
+
+#[test]
+fn killed_engine_behind_router_is_deregistered_and_the_survivor_finishes() {
+    // The stand-in router keeps routing round-robin to a dead worker (as vllm-router does until
+    // its 60 s health check): vime probes the workers after a failed attempt and deregisters the
+    // dead one, so every retry lands on the living engine.
+    let mut a = ServeProc::start();
+    let b = ServeProc::start();
+    let router = RouterStandIn::start();
+    let mut cfg = client_config(vec![a.url.clone(), b.url.clone()]);
+    cfg.router_url = Some(router.url.clone());
+    cfg.max_concurrent_requests = 4;
+    let client = Arc::new(VllmClient::connect(cfg).unwrap());
+    assert_eq!(router.workers().len(), 2);
+    let (res, reqs, took) = kill_mid_rollout(&client, &mut a, 96, 24);
+    let outs = res.expect("the rollout finishes on the surviving engine");
+    assert_well_formed(&reqs, &outs);
+    assert_matches_in_process(&reqs, &outs);
+    assert_eq!(router.workers(), vec![b.url.clone()], "the dead worker left the router");
+    assert_eq!(client.registered_workers(), vec![b.url.clone()]);
+    let st = client.stats();
+    assert_eq!((st.completed, st.failed, st.deregistered_dead), (96, 0, 1), "{st:?}");
+    assert!(st.retries >= 1, "{st:?}");
+    assert!(took < Duration::from_secs(30), "finished {took:?} after the kill");
+    let deletes = router.state.deletes.lock().unwrap().clone();
+    assert_eq!(deletes, vec![format!("/workers/{}", url_encode_component(&a.url))]);
+    client.shutdown().unwrap();
+    assert!(router.workers().is_empty(), "{:?}", router.workers());
 }
 
 #[test]

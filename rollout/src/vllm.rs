@@ -103,6 +103,8 @@ pub struct ClientStats {
     pub retries: u64,
     /// Generation requests given up on.
     pub failed: u64,
+    /// Engines deregistered from the router because they stopped answering `/health`.
+    pub deregistered_dead: u64,
 }
 
 struct EngineSlot {
@@ -122,6 +124,11 @@ struct Inner {
     no_version_route: AtomicBool,
     user_paused: AtomicBool,
     registered: Mutex<Vec<String>>,
+    /// When the router's workers were last probed after a failed attempt (one probe at a time).
+    last_prune: tokio::sync::Mutex<Option<Instant>>,
+    deregistered_dead: AtomicU64,
+    /// Engines deregistered as dead, with why (named in a later failure's error).
+    dead: Mutex<Vec<String>>,
     completed: AtomicU64,
     retries: AtomicU64,
     failed: AtomicU64,
@@ -188,6 +195,9 @@ impl VllmClient {
             no_version_route: AtomicBool::new(false),
             user_paused: AtomicBool::new(false),
             registered: Mutex::new(Vec::new()),
+            last_prune: tokio::sync::Mutex::new(None),
+            deregistered_dead: AtomicU64::new(0),
+            dead: Mutex::new(Vec::new()),
             completed: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             failed: AtomicU64::new(0),
@@ -218,11 +228,17 @@ impl VllmClient {
         self.inner.engines.iter().map(|e| e.url.clone()).collect()
     }
 
+    /// The engine URLs registered with the router now (dead ones are dropped, see `prune_dead_workers`).
+    pub fn registered_workers(&self) -> Vec<String> {
+        self.inner.registered.lock().unwrap().clone()
+    }
+
     pub fn stats(&self) -> ClientStats {
         ClientStats {
             completed: self.inner.completed.load(Ordering::Relaxed),
             retries: self.inner.retries.load(Ordering::Relaxed),
             failed: self.inner.failed.load(Ordering::Relaxed),
+            deregistered_dead: self.inner.deregistered_dead.load(Ordering::Relaxed),
         }
     }
 
@@ -540,6 +556,9 @@ impl Inner {
                     }
                     if attempt + 1 < attempts {
                         self.retries.fetch_add(1, Ordering::Relaxed);
+                        if self.router.is_some() {
+                            self.prune_dead_workers().await;
+                        }
                         let wait = self.backoff(attempt);
                         eprintln!(
                             "vime vLLM client: request {idx} attempt {}/{attempts} to {via} failed ({}); retrying in {wait:?}",
@@ -555,8 +574,14 @@ impl Inner {
         let mut tried: Vec<&str> = errors.iter().map(|(u, _)| u.as_str()).collect();
         tried.dedup();
         let (last_url, last_err) = errors.last().expect("at least one attempt");
+        let dead = self.dead.lock().unwrap().clone();
+        let dead = if dead.is_empty() {
+            String::new()
+        } else {
+            format!("; deregistered from the router as down: {}", dead.join(", "))
+        };
         bail!(
-            "vLLM engine(s) {} did not answer request {idx} after {attempts} attempts; last error from {last_url}: {last_err}",
+            "vLLM engine(s) {} did not answer request {idx} after {attempts} attempts; last error from {last_url}: {last_err}{dead}",
             tried.join(", ")
         )
     }
@@ -758,6 +783,51 @@ impl Inner {
             self.registered.lock().unwrap().push(e.url.clone());
         }
         Ok(())
+    }
+
+    /// Through a router a failed attempt may mean that a worker behind it died, and the router may
+    /// keep picking it (vllm-router's health check runs every 60 s by default). So every registered
+    /// engine's `GET /health` is probed (2 s each, concurrently) and the ones that do not answer, or
+    /// answer 5xx (vLLM's dead engine core), are deregistered (`DELETE /workers/{url}`): the retry
+    /// then goes to the living. At most one probe per second; a sleeping engine answers 200 and stays.
+    async fn prune_dead_workers(&self) {
+        let mut last = self.last_prune.lock().await;
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        let urls: Vec<String> = self.registered.lock().unwrap().clone();
+        let probes = urls.iter().map(|u| async move {
+            match self
+                .http
+                .get(format!("{u}/health"))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .await
+            {
+                Ok(r) if !r.status().is_server_error() => None,
+                Ok(r) => Some(format!("GET /health answered {}", r.status())),
+                Err(e) => Some(classify(e).message),
+            }
+        });
+        let verdicts = join_all(probes).await;
+        let router = self.router.as_ref().expect("router set").url.clone();
+        for (u, why) in urls.iter().zip(verdicts) {
+            let Some(why) = why else { continue };
+            let path = format!("/workers/{}", url_encode_component(u));
+            let removed = self.control_one(&router, reqwest::Method::DELETE, &path, None).await;
+            self.registered.lock().unwrap().retain(|x| x != u);
+            self.deregistered_dead.fetch_add(1, Ordering::Relaxed);
+            self.dead.lock().unwrap().push(format!("{u} ({why})"));
+            match removed {
+                Ok(_) => {
+                    eprintln!("vime vLLM client: engine {u} is down ({why}); deregistered it from router {router}")
+                }
+                Err(e) => eprintln!(
+                    "vime vLLM client: engine {u} is down ({why}); deregistering it from router {router} failed: {e}"
+                ),
+            }
+        }
+        *last = Some(Instant::now());
     }
 
     async fn deregister_all(&self) -> Result<()> {
