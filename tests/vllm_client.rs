@@ -7,7 +7,7 @@
 //! `<target>/<profile>/vime-serve`. Cargo holds no lock while tests run, so the nested build only
 //! waits for other builds. The router stand-in implements what vime uses of vllm-router
 //! (`src/server.rs` of vllm-project/router): `POST /workers {"url"}`, `GET /workers`,
-//! `DELETE /workers/{url-encoded}` and forwarding `POST /v1/completions`; unlike the real router in
+//! `DELETE /workers/{url-encoded}`, `GET /health` and forwarding `POST /v1/completions`; unlike the real router in
 //! single-router mode it 404s an unknown worker, so a wrongly encoded DELETE fails the test.
 //!
 //! Every wait is bounded (health deadlines, request timeouts, retry counts); everything binds 127.0.0.1.
@@ -354,6 +354,7 @@ impl RouterStandIn {
             .route("/workers", post(add).get(list))
             .route("/workers/{url}", delete(remove))
             .route("/v1/completions", post(forward))
+            .route("/health", axum::routing::get(|| async { "OK" }))
             .with_state((state.clone(), http));
         let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -724,4 +725,111 @@ fn launcher_reports_engines_that_die_or_never_get_healthy() {
     let err = format!("{:#}", VllmLauncher::launch(&cfg).err().expect("launch must fail"));
     assert!(err.contains("not healthy after") && err.contains("starting"), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}", t0.elapsed());
+}
+
+// ------------------------------------------------------------------------------------------------
+// `vime-train check-engines` against vime-serve
+
+fn check_args(argv: &[&str]) -> vime_rollout::check::CheckArgs {
+    #[derive(clap::Parser)]
+    struct W {
+        #[command(flatten)]
+        a: vime_rollout::check::CheckArgs,
+    }
+    let mut all = vec!["check-engines"];
+    all.extend_from_slice(argv);
+    <W as clap::Parser>::try_parse_from(all).unwrap().a
+}
+
+fn statuses(outcomes: &[vime_rollout::check::Outcome]) -> Vec<(&'static str, &'static str)> {
+    outcomes.iter().map(|o| (o.check, o.status)).collect()
+}
+
+#[test]
+fn check_engines_passes_on_vime_serve_direct_and_through_the_router() {
+    let a = ServeProc::start();
+    let b = ServeProc::start();
+    let router = RouterStandIn::start();
+    let ckpt = fixture();
+    let ckpt = ckpt.to_str().unwrap();
+    let report = tempfile::NamedTempFile::new().unwrap();
+    // vime-serve cannot stop a batch inside its engine call (see `serve.rs`), so the
+    // pause_keep/pause_abort semantics of vLLM are checked apart below.
+    let args = check_args(&[
+        "--vllm-url",
+        &a.url,
+        "--vllm-url",
+        &b.url,
+        "--vllm-router-url",
+        &router.url,
+        "--hf-checkpoint",
+        ckpt,
+        "--check-prompt-ids",
+        "5,9,2,31",
+        "--check-rollout-requests",
+        "24",
+        "--check-pause-requests",
+        "8",
+        "--check-pause-max-tokens",
+        "400",
+        "--report",
+        report.path().to_str().unwrap(),
+    ]);
+    let client = VllmClient::connect(args.vllm.client_config(args.vllm.vllm_urls.clone())).unwrap();
+    let outcomes = vime_rollout::check::run_checks(&args, &client).unwrap();
+    for o in &outcomes {
+        eprintln!("{} {} {}", o.check, o.status, o.detail);
+    }
+    let got = statuses(&outcomes);
+    let want_fail = ["pause_keep", "pause_abort"];
+    for (c, s) in &got {
+        let want = if want_fail.contains(c) { "fail" } else { "pass" };
+        assert_eq!(
+            *s,
+            want,
+            "{c}: {:?}",
+            outcomes.iter().find(|o| o.check == *c).unwrap().detail
+        );
+    }
+    assert_eq!(got.len(), vime_rollout::check::CHECKS.len(), "every check ran: {got:?}");
+    let detail = |c: &str| outcomes.iter().find(|o| o.check == c).unwrap().detail.clone();
+    assert!(
+        detail("pause_keep").contains("requests finished while paused"),
+        "{}",
+        detail("pause_keep")
+    );
+    assert!(
+        detail("pause_abort").contains("no request marked abort"),
+        "{}",
+        detail("pause_abort")
+    );
+    assert!(detail("router").contains(&a.url) && detail("router").contains(&b.url));
+    assert!(
+        router.state.forwarded.load(Ordering::Relaxed) >= 24 + 8 * 3,
+        "generation went through the router"
+    );
+    // The report: one object per check, as printed.
+    let lines: Vec<Value> = std::fs::read_to_string(report.path())
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), outcomes.len());
+    assert_eq!(lines[0]["check"], "health");
+    assert_eq!(lines[0]["status"], "pass");
+    client.shutdown().unwrap();
+
+    // A dead engine fails `health` within its timeout, naming the URL, and stops the run there.
+    let dead = format!("http://127.0.0.1:{}", pick_free_port().unwrap());
+    let args = check_args(&["--vllm-url", &dead, "--check-health-timeout", "1"]);
+    let client = VllmClient::connect(args.vllm.client_config(args.vllm.vllm_urls.clone())).unwrap();
+    let t0 = Instant::now();
+    let outcomes = vime_rollout::check::run_checks(&args, &client).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    assert_eq!(statuses(&outcomes), vec![("health", "fail")]);
+    assert!(outcomes[0].detail.contains(&dead), "{}", outcomes[0].detail);
+    // An unknown check name is refused up front.
+    let args = check_args(&["--vllm-url", &a.url, "--checks", "greedy,sleep_3"]);
+    let err = format!("{:#}", vime_rollout::check::run_checks(&args, &client).unwrap_err());
+    assert!(err.contains("sleep_3") && err.contains("stop_token_ids"), "{err}");
 }

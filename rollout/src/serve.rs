@@ -24,6 +24,7 @@
 //!   same here: the host copy is kept); `wake_up` with `weights` (or no tags) moves them back, and
 //!   scheduling resumes once no tag sleeps (no tags = all; `scheduling` is the level-0 tag), as
 //!   vLLM does. The KV cache lives only inside a generate call, so a sleeping engine holds none.
+//! - `GET /get_world_size` (`entrypoints/rl/online/api_router.py`): `{"world_size": 1}`.
 //! - `POST /reset_prefix_cache` (`entrypoints/serve/dev/cache/api_router.py`): no prefix cache here,
 //!   answers `{"success": true}`.
 //! - Weights from disk: vLLM 0.33 has no `update_weights_from_disk` route; its disk reload is
@@ -638,6 +639,7 @@ pub fn app(engine: Arc<dyn RolloutEngine>, cfg: ServeConfig) -> Router {
         .route("/wake_up", post(wake_up))
         .route("/is_sleeping", get(is_sleeping))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/get_world_size", get(get_world_size))
         .route("/collective_rpc", post(collective_rpc))
         .route("/weight_info", get(weight_info))
         .route("/update_weight_version", post(update_weight_version))
@@ -849,6 +851,11 @@ async fn wake_up(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
 async fn is_sleeping(State(s): State<AppState>) -> Response {
     let sleeping = s.sleeping.lock().unwrap().is_some();
     Json(json!({"is_sleeping": sleeping})).into_response()
+}
+
+/// vLLM's `GET /get_world_size` (TP x PP x DP of the engine): vime-serve is one process.
+async fn get_world_size() -> Response {
+    Json(json!({"world_size": 1})).into_response()
 }
 
 async fn reset_prefix_cache() -> Response {

@@ -233,6 +233,31 @@ impl VllmClient {
         self.inner.registered.lock().unwrap().clone()
     }
 
+    /// The router's own list of its workers (`GET /workers`: `{"workers": [{"url": ..}, ..]}`, or
+    /// plain URL strings); `None` without a router.
+    pub fn router_listed_workers(&self) -> Result<Option<Vec<String>>> {
+        let Some(router) = self.inner.router.as_ref().map(|r| r.url.clone()) else {
+            return Ok(None);
+        };
+        let inner = self.inner.clone();
+        let v = self
+            .block(async move { inner.control_one(&router, reqwest::Method::GET, "/workers", None).await })
+            .map_err(|e| anyhow!("GET /workers on the router: {e}"))?;
+        let list = v
+            .get("workers")
+            .and_then(Value::as_array)
+            .ok_or_else(|| anyhow!("the router's GET /workers has no \"workers\" list: {v}"))?;
+        list.iter()
+            .map(|w| {
+                w.as_str()
+                    .or_else(|| w.get("url").and_then(Value::as_str))
+                    .map(trim_url)
+                    .ok_or_else(|| anyhow!("a router worker without a url: {w}"))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     pub fn stats(&self) -> ClientStats {
         ClientStats {
             completed: self.inner.completed.load(Ordering::Relaxed),

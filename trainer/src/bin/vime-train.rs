@@ -3,6 +3,7 @@
 //! - `vime-train [FLAGS]`: a training run (RL with `--loss-type policy_loss`, the default, or SFT
 //!   with `--loss-type sft_loss`); flag names follow slime's (see `vime_trainer::train::TrainArgs`).
 //! - `vime-train logprobs ...`: score token sequences with an HF Qwen3 checkpoint.
+//! - `vime-train check-engines --vllm-url URL ...`: check running rollout engines before a run.
 //! - `vime-train make-task arith ...`: write the synthetic arithmetic task of the CPU demo.
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -54,6 +55,10 @@ enum Cmd {
     /// Times the streamed weight sync of a random-init Qwen3 release shape to a running engine and
     /// checks the engine's weights bit for bit afterwards (see vime_trainer::bench_sync).
     BenchSync(vime_trainer::bench_sync::BenchSyncArgs),
+    /// Checks running rollout engines (vLLM or vime-serve, direct or through vllm-router) for what
+    /// vime needs of them: generation with seeds and stop ids, pause modes, sleep and wake, control
+    /// routes (see vime_rollout::check). Exit status 1 if any check fails.
+    CheckEngines(vime_rollout::check::CheckArgs),
     /// Writes a synthetic task (prompts, eval set, tokenizer, a tiny random Qwen3) for the demo.
     MakeTask(vime_trainer::demo::MakeTaskArgs),
     /// Log-probs, entropies and the gradient of a fixed objective on one packed batch (parity checks).
@@ -207,6 +212,7 @@ fn run(cli: Cli) -> Result<i32> {
             vime_trainer::bench_sync::run(&args)?;
             Ok(0)
         }
+        Some(Cmd::CheckEngines(args)) => vime_rollout::check::run(&args),
         Some(Cmd::MakeTask(args)) => {
             let files = vime_trainer::demo::make_task(&args)?;
             eprintln!("{files}");
