@@ -119,8 +119,38 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
         &mut failures,
     )?;
 
+    // Qwen3-4B at TP = 2 (tensor parallelism): each rank's shard has 16 query / 4 KV heads and
+    // intermediate 4864; the norms' and the rope's shapes follow the local heads.
+    let qn = rng.randn(&[t, 16, 128], 1.0, bf, &Device::Cpu)?;
+    let wn = (rng.randn(&[128], 0.1, DType::F32, &Device::Cpu)? + 1.0)?.to_dtype(bf)?;
+    check(
+        "rms_norm (q_norm, TP 2 shard)",
+        &|a| vime_kernels::rms_norm(&a[0], &a[1], 1e-6),
+        &[qn, wn],
+        &gpu,
+        &mut failures,
+    )?;
+    let q = rng.randn(&[t, 16, 128], 1.0, bf, &Device::Cpu)?;
+    let p = pos.clone();
+    check(
+        "rope (TP 2 shard)",
+        &|a| vime_kernels::rope(&a[0], &p, 1e6),
+        &[q],
+        &gpu,
+        &mut failures,
+    )?;
+    let g = rng.randn(&[t, 4864], 2.0, bf, &Device::Cpu)?;
+    let u = rng.randn(&[t, 4864], 1.0, bf, &Device::Cpu)?;
+    check(
+        "swiglu (TP 2 shard)",
+        &|a| vime_kernels::swiglu(&a[0], &a[1]),
+        &[g, u],
+        &gpu,
+        &mut failures,
+    )?;
+
     let scale = 1.0 / (128f64).sqrt();
-    let mut checks = 9;
+    let mut checks = 12;
     for (backend, tag) in attention_backends() {
         check_attention(
             tag,
@@ -131,7 +161,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
             &mut rng,
             &mut failures,
         )?;
-        checks += 4;
+        checks += 5;
     }
     #[cfg(feature = "cudnn")]
     check_cudnn_determinism(&gpu, &mut rng, &mut failures)?;
@@ -184,7 +214,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
 }
 
 /// The attention checks on one backend (`tag` names it in the output): packed causal sequences at
-/// Qwen3-4B's GQA (32 / 8), Lk > Lq with lengths off the kernels' tiles and an empty query
+/// Qwen3-4B's GQA (32 / 8) and its TP = 2 shard (16 / 4), Lk > Lq with lengths off the kernels' tiles and an empty query
 /// sequence, and Qwen3-0.6B's GQA (16 / 8) on one long sequence.
 fn check_attention(
     tag: &str,
@@ -238,6 +268,18 @@ fn check_attention(
     check(
         &format!("varlen_attention 2x640 [{tag}]"),
         &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c2, &c2, scale, kc),
+        &[q, k, v],
+        gpu,
+        failures,
+    )?;
+    // Qwen3-4B's TP = 2 shard (16 / 4 heads) on the packed batch.
+    let q = rng.randn(&[t, 16, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[t, 4, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[t, 4, 128], 1.0, bf, &Device::Cpu)?;
+    let c = cu.clone();
+    check(
+        &format!("varlen_attention 16/4 TP 2 shard [{tag}]"),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c, &c, scale, kc),
         &[q, k, v],
         gpu,
         failures,

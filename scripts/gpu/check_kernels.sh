@@ -7,7 +7,7 @@
 #   scripts/gpu/check_kernels.sh [OUT_DIR]
 #
 # Needs gpu-carry/{device-env.sh, cuda_vs_cpu.xz, COMMIT} (and optionally flash_harness.xz, the
-# standalone attention harness, whose timings are then appended): the test binary of
+# standalone attention harness, whose timings are then appended, and vocab_parallel.xz, see below): the test binary of
 # kernels/tests/cuda_vs_cpu.rs, built here with
 #   cargo test --release -p vime-kernels --features cudnn --test cuda_vs_cpu --no-run
 # (`--features cudnn` after `source scripts/gpu/cudnn-headers.sh` also checks cuDNN's attention;
@@ -37,6 +37,16 @@ if [ -f gpu-carry/flash_harness.xz ]; then
   echo "--- flash harness ---" | tee -a "$LOG"
   xz -dc gpu-carry/flash_harness.xz > /tmp/flash_harness && chmod +x /tmp/flash_harness
   /tmp/flash_harness 2>&1 | tee -a "$LOG"
+fi
+if [ -f gpu-carry/vocab_parallel.xz ]; then
+  # The vocab-parallel log-prob/entropy (tensor parallelism) at TP 1 and 2 on this GPU, against the
+  # fused CUDA kernel: the test binary of models/qwen3/tests/vocab_parallel.rs, built with
+  #   cargo test --release -p vime-qwen3 --features cuda --test vocab_parallel --no-run
+  echo "--- vocab-parallel LM head on CUDA ---" | tee -a "$LOG"
+  xz -dc gpu-carry/vocab_parallel.xz > /tmp/vocab_parallel && chmod +x /tmp/vocab_parallel
+  /tmp/vocab_parallel cuda_ --nocapture --test-threads 1 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || check=1
+  grep "VOCAB_PARALLEL CUDA VERDICT" "$LOG" | tail -1
 fi
 grep "CHECK_KERNELS VERDICT" "$LOG" | tail -1
 exit "$check"
