@@ -124,6 +124,9 @@ struct Inner {
     no_version_route: AtomicBool,
     user_paused: AtomicBool,
     registered: Mutex<Vec<String>>,
+    /// The engines this client added to the router (removed again at shutdown); the others were
+    /// there already and stay.
+    owned: Mutex<Vec<String>>,
     /// When the router's workers were last probed after a failed attempt (one probe at a time).
     last_prune: tokio::sync::Mutex<Option<Instant>>,
     deregistered_dead: AtomicU64,
@@ -195,6 +198,7 @@ impl VllmClient {
             no_version_route: AtomicBool::new(false),
             user_paused: AtomicBool::new(false),
             registered: Mutex::new(Vec::new()),
+            owned: Mutex::new(Vec::new()),
             last_prune: tokio::sync::Mutex::new(None),
             deregistered_dead: AtomicU64::new(0),
             dead: Mutex::new(Vec::new()),
@@ -243,19 +247,7 @@ impl VllmClient {
         let v = self
             .block(async move { inner.control_one(&router, reqwest::Method::GET, "/workers", None).await })
             .map_err(|e| anyhow!("GET /workers on the router: {e}"))?;
-        let list = v
-            .get("workers")
-            .and_then(Value::as_array)
-            .ok_or_else(|| anyhow!("the router's GET /workers has no \"workers\" list: {v}"))?;
-        list.iter()
-            .map(|w| {
-                w.as_str()
-                    .or_else(|| w.get("url").and_then(Value::as_str))
-                    .map(trim_url)
-                    .ok_or_else(|| anyhow!("a router worker without a url: {w}"))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        parse_router_workers(&v).map(Some)
     }
 
     pub fn stats(&self) -> ClientStats {
@@ -418,7 +410,7 @@ impl VllmClient {
 
     /// Deregisters the engines from the router (`DELETE /workers/{url}`); idempotent, also run on drop.
     pub fn shutdown(&self) -> Result<()> {
-        if self.inner.router.is_none() || self.inner.registered.lock().unwrap().is_empty() {
+        if self.inner.router.is_none() || self.inner.owned.lock().unwrap().is_empty() {
             return Ok(());
         }
         let inner = self.inner.clone();
@@ -797,14 +789,21 @@ impl Inner {
         let router = self.router.as_ref().expect("router set").url.clone();
         for e in &self.engines {
             let body = json!({"url": e.url});
-            self.control_one(&router, reqwest::Method::POST, "/workers", Some(body))
+            match self
+                .control_one(&router, reqwest::Method::POST, "/workers", Some(body))
                 .await
-                .map_err(|err| {
-                    anyhow!(
-                        "registering vLLM engine {} with router {router} (POST /workers): {err}",
-                        e.url
-                    )
-                })?;
+            {
+                Ok(_) => self.owned.lock().unwrap().push(e.url.clone()),
+                // vllm-router answers 400 "Worker .. already exists" for a worker it has (started
+                // with --worker-urls, or left by a run that died): used, and left there at exit.
+                Err(err) if err.contains("already exists") => {
+                    eprintln!("vime vLLM client: engine {} was already registered with router {router}; it stays there after this run", e.url);
+                }
+                Err(err) => bail!(
+                    "registering vLLM engine {} with router {router} (POST /workers): {err}",
+                    e.url
+                ),
+            }
             self.registered.lock().unwrap().push(e.url.clone());
         }
         Ok(())
@@ -841,6 +840,7 @@ impl Inner {
             let path = format!("/workers/{}", url_encode_component(u));
             let removed = self.control_one(&router, reqwest::Method::DELETE, &path, None).await;
             self.registered.lock().unwrap().retain(|x| x != u);
+            self.owned.lock().unwrap().retain(|x| x != u);
             self.deregistered_dead.fetch_add(1, Ordering::Relaxed);
             self.dead.lock().unwrap().push(format!("{u} ({why})"));
             match removed {
@@ -857,7 +857,8 @@ impl Inner {
 
     async fn deregister_all(&self) -> Result<()> {
         let router = self.router.as_ref().expect("router set").url.clone();
-        let urls: Vec<String> = std::mem::take(&mut *self.registered.lock().unwrap());
+        let urls: Vec<String> = std::mem::take(&mut *self.owned.lock().unwrap());
+        self.registered.lock().unwrap().clear();
         let mut errs = Vec::new();
         for u in urls {
             let path = format!("/workers/{}", url_encode_component(&u));
@@ -873,6 +874,23 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// The worker URLs of vllm-router's `GET /workers` answer (`{"workers": [{"url": .., "is_healthy":
+/// .., ..}], "total": n, "stats": {..}}` in 0.1.17; plain URL strings are accepted too).
+pub fn parse_router_workers(v: &Value) -> Result<Vec<String>> {
+    let list = v
+        .get("workers")
+        .and_then(Value::as_array)
+        .ok_or_else(|| anyhow!("the router's GET /workers has no \"workers\" list: {v}"))?;
+    list.iter()
+        .map(|w| {
+            w.as_str()
+                .or_else(|| w.get("url").and_then(Value::as_str))
+                .map(trim_url)
+                .ok_or_else(|| anyhow!("a router worker without a url: {w}"))
+        })
+        .collect()
 }
 
 /// Runs a few futures concurrently on this task (one control call per engine), outputs in order.
@@ -898,14 +916,21 @@ async fn join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> 
     outs.into_iter().map(|o| o.expect("polled to completion")).collect()
 }
 
-/// Reads `choices[0]` of a `CompletionResponse` into a [`GenOutput`], or says what is missing.
+/// Reads the one choice of a `CompletionResponse` into a [`GenOutput`], or says what is missing.
 pub fn parse_completion(text: &str, prompt_len: usize) -> Result<GenOutput> {
     let v: Value = serde_json::from_str(text).context("completion response is not JSON")?;
-    let choice = v
+    let choices = v
         .get("choices")
         .and_then(Value::as_array)
-        .and_then(|c| c.first())
         .ok_or_else(|| anyhow!("completion response has no choices"))?;
+    // vime asks for one sample per request (`n: 1`; a group is several requests with their own seeds).
+    if choices.len() != 1 {
+        bail!(
+            "completion response has {} choices; vime asked for one (n=1)",
+            choices.len()
+        );
+    }
+    let choice = &choices[0];
     let ids = choice
         .get("token_ids")
         .and_then(Value::as_array)

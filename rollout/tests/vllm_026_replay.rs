@@ -3,6 +3,10 @@
 //! calls, status and body as sent). A replay server answers each (method, path) with the recorded
 //! answers in order, so the client's parsing is checked against vLLM's real shapes, including the
 //! routes 0.26 lacks (`/weight_info`, `/update_weight_version`: 404 `{"detail": "Not Found"}`).
+//!
+//! `conformance.jsonl` (`scripts/gpu/vllm_conformance.sh`: vLLM 0.26.0 and vllm-router 0.1.17) adds
+//! seeded and `n = 2` samples, a stop id, a request aborted by `/pause?mode=abort`, sleep level 2
+//! with a reload, and the router's worker routes, each checked below against vime's parsing.
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{Method, StatusCode, Uri};
@@ -12,7 +16,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use vime_rollout::engine::{FinishReason, GenRequest, RolloutEngine, SamplingParams};
-use vime_rollout::vllm::{parse_completion, PauseMode, VllmClient, VllmClientConfig};
+use vime_rollout::vllm::{parse_completion, parse_router_workers, PauseMode, VllmClient, VllmClientConfig};
 
 type Answers = Arc<Mutex<HashMap<String, Vec<(u16, Value)>>>>;
 
@@ -151,4 +155,152 @@ fn the_client_drives_vllm_026_answers() {
         .collective_rpc("vime_weight_info", &["{}".to_string()], &Default::default())
         .unwrap();
     assert_eq!(rpc, vec![serde_json::json!([{"weight_version": null}])]);
+}
+
+fn conformance() -> HashMap<String, Value> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm-0.26/conformance.jsonl");
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["name"].as_str().unwrap().to_string(), v)
+        })
+        .collect()
+}
+
+const CONF_PROMPT_LEN: usize = 7;
+
+fn parsed(c: &HashMap<String, Value>, name: &str) -> vime_rollout::engine::GenOutput {
+    assert_eq!(c[name]["status"], 200, "{name}");
+    parse_completion(&c[name]["response"].to_string(), CONF_PROMPT_LEN).unwrap_or_else(|e| panic!("{name}: {e:#}"))
+}
+
+#[test]
+fn vllm_026_samples_stop_ids_and_aborts_parse_as_vime_expects() {
+    let c = conformance();
+    // vime sends n = 1 and refuses an answer with more samples; vLLM's seed 3 gives the same first
+    // sample with n = 2 as alone, so a group of requests with seeds is what n would have been.
+    let e = format!(
+        "{:#}",
+        parse_completion(&c["n2_seeded"]["response"].to_string(), CONF_PROMPT_LEN).unwrap_err()
+    );
+    assert!(e.contains("2 choices"), "{e}");
+    let first = &c["n2_seeded"]["response"]["choices"][0]["token_ids"];
+    let again = parsed(&c, "seeded_again");
+    let first: Vec<u32> = first
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(again.token_ids, first);
+    assert_eq!(again.token_ids.len(), 6);
+
+    // The stop id: vLLM keeps it as the last token id (its text is dropped), finish "stop".
+    let greedy = parsed(&c, "greedy");
+    assert_eq!(
+        (greedy.token_ids.len(), greedy.finish_reason),
+        (8, FinishReason::Length)
+    );
+    let stop = c["stop_token_ids"]["request"]["stop_token_ids"][0].as_u64().unwrap() as u32;
+    assert_eq!(stop, greedy.token_ids[2]);
+    let stopped = parsed(&c, "stop_token_ids");
+    let k = greedy.token_ids.iter().position(|t| *t == stop).unwrap();
+    assert_eq!(stopped.token_ids, greedy.token_ids[..=k]);
+    assert_eq!(*stopped.token_ids.last().unwrap(), stop);
+    assert_eq!(stopped.finish_reason, FinishReason::Stop);
+    assert_eq!(c["stop_token_ids"]["response"]["choices"][0]["stop_reason"], stop);
+    assert_eq!(stopped.logprobs[..], greedy.logprobs[..=k]);
+
+    // Aborted mid-generation by /pause?mode=abort: a 200 with the partial sample, finish "abort".
+    let aborted = parsed(&c, "aborted_by_pause");
+    assert_eq!(aborted.finish_reason, FinishReason::Abort);
+    assert!(
+        !aborted.token_ids.is_empty() && aborted.token_ids.len() < 3000,
+        "{}",
+        aborted.token_ids.len()
+    );
+    assert_eq!(aborted.token_ids.len(), aborted.logprobs.len());
+    // 0.26 queues a request sent while paused (in abort and keep mode) instead of refusing it.
+    for name in ["completion_while_paused_abort", "completion_while_paused_keep"] {
+        assert!(c[name]["status"].is_null() && c[name]["response"].as_str().unwrap().contains("timed out"));
+    }
+
+    // Sleep level 2 drops the weights; woken, reloaded from the checkpoint: the same greedy sample.
+    assert_eq!(c["sleep_2"]["status"], 200);
+    assert_eq!(c["is_sleeping_2"]["response"]["is_sleeping"], true);
+    assert_eq!(c["reload_weights"]["response"], serde_json::json!({"results": [null]}));
+    assert_eq!(c["is_sleeping_awake"]["response"]["is_sleeping"], false);
+    assert_eq!(parsed(&c, "greedy_after_sleep_2"), greedy);
+    assert_eq!(c["world_size"]["response"]["world_size"], 1);
+}
+
+#[test]
+fn vllm_router_017_answers_parse_as_vime_expects() {
+    let c = conformance();
+    let a = c["router_add_worker"]["request"]["url"].as_str().unwrap().to_string();
+    assert_eq!(
+        parse_router_workers(&c["router_list_workers"]["response"]).unwrap(),
+        vec![a.clone()]
+    );
+    assert!(parse_router_workers(&c["router_list_workers_empty"]["response"])
+        .unwrap()
+        .is_empty());
+    assert!(parse_router_workers(&serde_json::json!({"total": 0})).is_err());
+    // Through the router the completion is the engine's own answer.
+    assert_eq!(parsed(&c, "router_completion"), parsed(&c, "greedy"));
+    // A second POST /workers is a 400 "already exists"; DELETE of an unknown worker is a 200.
+    assert_eq!(c["router_add_worker_again"]["status"], 400);
+    assert!(c["router_add_worker_again"]["response"]["error"]
+        .as_str()
+        .unwrap()
+        .contains("already exists"));
+    assert_eq!(c["router_delete_unknown_worker"]["status"], 200);
+    assert_eq!(c["router_completion_no_workers"]["status"], 503);
+}
+
+/// A router that already has the engine (its recorded 400 "already exists"): vime connects, uses
+/// it, and leaves it registered at exit.
+#[test]
+fn an_engine_already_in_the_router_is_used_and_left_there() {
+    let c = conformance();
+    let add = c["router_add_worker_again"].clone();
+    let deletes = Arc::new(Mutex::new(0usize));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let d = deletes.clone();
+    let url = rt.block_on(async move {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let add_body = add["response"].clone();
+        let app = axum::Router::new()
+            .route(
+                "/workers",
+                axum::routing::post(move || async move { (StatusCode::BAD_REQUEST, axum::Json(add_body)) }),
+            )
+            .fallback(move |m: Method| async move {
+                if m == Method::DELETE {
+                    *d.lock().unwrap() += 1;
+                }
+                StatusCode::OK
+            });
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        url
+    });
+    let engine = "http://127.0.0.1:18741".to_string();
+    let client = VllmClient::connect(VllmClientConfig {
+        engine_urls: vec![engine.clone()],
+        router_url: Some(url),
+        max_retries: 0,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(client.registered_workers(), vec![engine]);
+    client.shutdown().unwrap();
+    drop(client);
+    assert_eq!(*deletes.lock().unwrap(), 0, "a worker vime did not add is not removed");
 }

@@ -208,7 +208,22 @@ fn cuda_vocab_parallel_matches_the_fused_kernel_at_qwen3_4b_shapes() {
         let runs = if tp == 1 {
             vec![rank_run(&c, &SingleRank::default(), 128).unwrap()]
         } else {
-            vime_dist::cpu::run_threads(tp, "tp", |_, g| rank_run(&c, g, 128)).unwrap()
+            // Each rank its own candle device (stream and cuBLAS handle, which is not safe to
+            // share between threads), as each rank process has its own.
+            vime_dist::cpu::run_threads(tp, "tp", |_, g| {
+                let dev = Device::new_cuda(0)?;
+                let on = |x: &Tensor| x.to_device(&dev);
+                let local = Case {
+                    hidden: on(&c.hidden)?,
+                    w: on(&c.w)?,
+                    targets: c.targets.clone(),
+                    g_lp: on(&c.g_lp)?,
+                    g_ent: on(&c.g_ent)?,
+                };
+                let out = rank_run(&local, g, 128)?;
+                Ok(out.map(|x| x.to_device(&gpu).unwrap()))
+            })
+            .unwrap()
         };
         let took = t0.elapsed();
         let slices: Vec<Tensor> = runs.iter().map(|x| f32(&x[3])).collect();
