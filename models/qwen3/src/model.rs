@@ -340,6 +340,15 @@ impl Qwen3 {
             .collect()
     }
 
+    /// Tokens per chunk of the vocab-parallel LM head (composed of candle ops, with a few f32
+    /// `[chunk, V / tp]` temporaries live at once, unlike the fused kernel's one): at most 2^24
+    /// local logits (64 MiB f32) per chunk, and at most [`Self::set_logits_chunk_tokens`]'s value.
+    /// Qwen3-4B at TP 2: 220 tokens per chunk.
+    fn vocab_parallel_chunk(&self) -> usize {
+        let local = (self.cfg.vocab_size / self.tp.size.max(1)).max(1);
+        self.logits_chunk_tokens.min(((1usize << 24) / local).clamp(16, 4096))
+    }
+
     pub fn set_logits_chunk_tokens(&mut self, n: usize) {
         self.logits_chunk_tokens = n.max(1);
     }
@@ -541,7 +550,7 @@ impl Qwen3 {
                 &batch.targets,
                 &self.vocab_shard()?,
                 tp,
-                self.logits_chunk_tokens,
+                self.vocab_parallel_chunk(),
             )?;
             return Ok(TokenOutputs { logprobs, entropy });
         }
@@ -814,7 +823,7 @@ impl Qwen3 {
                 &batch.targets,
                 &shard,
                 tp,
-                self.logits_chunk_tokens,
+                self.vocab_parallel_chunk(),
             )?;
             (lp, ent, HeadSaved::Vocab(s, shard))
         } else {
@@ -847,7 +856,7 @@ impl Qwen3 {
                 &dlp,
                 &dent,
                 tp,
-                self.logits_chunk_tokens,
+                self.vocab_parallel_chunk(),
             )?,
         };
         drop(saved);
