@@ -220,6 +220,13 @@ impl Critic {
         )
     }
 
+    /// Sequence parallelism for this TP shard: the backbone's residual stream is sharded by
+    /// tokens; the (replicated) value head still sees every token (`Qwen3`'s custom-head path
+    /// gathers the last hidden states for it).
+    pub fn set_sequence_parallel(&mut self, on: bool) {
+        self.backbone.set_sequence_parallel(on);
+    }
+
     /// The whole critic from the TP shards (a collective over `tp`; kept where `keep`).
     pub fn gathered(&self, tp: &dyn vime_dist::Collectives, keep: bool) -> Result<Option<Self>> {
         let full = self.backbone.gathered_state_dict(tp)?;

@@ -544,32 +544,40 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
     // PPO: the critic (backbone sharded, value head replicated) and its optimizer too.
     let ppo_base = dir.path().join("ppo-tp1");
     run(1, &flags_for(&ppo_base, &["--advantage-estimator", "ppo"]));
-    let ppo_tp2 = dir.path().join("ppo-tp2");
-    run(2, &flags_for(&ppo_tp2, &["--advantage-estimator", "ppo", "--tp", "2"]));
-    for key in ["train/grad_norm", "critic/grad_norm", "critic/value_loss"] {
-        let (a, b) = (metric(&ppo_base, 1, key), metric(&ppo_tp2, 1, key));
-        let err = (a - b).abs() / a.abs().max(1e-3);
-        eprintln!("ppo tp 2: {key} {b:.9e} vs tp 1 {a:.9e} (error {err:.1e})");
-        assert!(err <= 1e-5, "ppo tp 2: {key} {b} vs {a} (error {err:e})");
-    }
-    for (what, file) in [
-        ("policy", "hf/model.safetensors"),
-        ("critic", "critic/model.safetensors"),
+    // TP 2, and TP 2 + SP (the value head fed every token).
+    for (label, extra) in [
+        ("ppo tp 2", &["--tp", "2"][..]),
+        ("ppo tp 2 + sp", &["--tp", "2", "--sequence-parallel"][..]),
     ] {
-        let (w, _) = compare(
-            &format!("ppo tp 2 {what} weight updates"),
-            Some(&before),
-            &load(&iter_dir(&ppo_base, 1).join(file)),
-            &load(&iter_dir(&ppo_tp2, 1).join(file)),
-            |_| 1e-3,
+        let ppo_tp2 = dir.path().join(label.replace(' ', "-"));
+        let mut f = vec!["--advantage-estimator", "ppo"];
+        f.extend_from_slice(extra);
+        run(2, &flags_for(&ppo_tp2, &f));
+        for key in ["train/grad_norm", "critic/grad_norm", "critic/value_loss"] {
+            let (a, b) = (metric(&ppo_base, 1, key), metric(&ppo_tp2, 1, key));
+            let err = (a - b).abs() / a.abs().max(1e-3);
+            eprintln!("{label}: {key} {b:.9e} vs tp 1 {a:.9e} (error {err:.1e})");
+            assert!(err <= 1e-5, "{label}: {key} {b} vs {a} (error {err:e})");
+        }
+        for (what, file) in [
+            ("policy", "hf/model.safetensors"),
+            ("critic", "critic/model.safetensors"),
+        ] {
+            let (w, _) = compare(
+                &format!("{label} {what} weight updates"),
+                Some(&before),
+                &load(&iter_dir(&ppo_base, 1).join(file)),
+                &load(&iter_dir(&ppo_tp2, 1).join(file)),
+                |_| 1e-3,
+            );
+            eprintln!("{label}: {what} weight updates within {w:.1e} of tp 1");
+        }
+        let (a, b) = (
+            load(&iter_dir(&ppo_base, 1).join("critic/value_head.safetensors")),
+            load(&iter_dir(&ppo_tp2, 1).join("critic/value_head.safetensors")),
         );
-        eprintln!("ppo tp 2: {what} weight updates within {w:.1e} of tp 1");
+        compare(&format!("{label} value head"), None, &a, &b, |_| 1e-4);
     }
-    let (a, b) = (
-        load(&iter_dir(&ppo_base, 1).join("critic/value_head.safetensors")),
-        load(&iter_dir(&ppo_tp2, 1).join("critic/value_head.safetensors")),
-    );
-    compare("ppo tp 2 value head", None, &a, &b, |_| 1e-4);
 
     // And a TP 1 checkpoint resumes at TP 2.
     let mut more = flags_for(&base, &["--tp", "2"]);
@@ -605,11 +613,17 @@ fn tp_refusals_name_the_reason() {
         e.contains("model.embed_tokens.weight") && e.contains("(13) is not divisible by the tensor-parallel size 2"),
         "{e}"
     );
-    // The arithmetic task's 14 divide; a value head under sequence parallelism is not built yet.
+    // TP 4 splits neither the arithmetic task's 14 ids nor its 2 KV heads: named, with both numbers.
     let (model, train) = task_of(TaskKind::Arith, &dir.path().join("arith"));
-    let e = fail(&model, &train, &["--advantage-estimator", "ppo", "--sequence-parallel"]);
-    assert!(
-        e.contains("value head under sequence parallelism is not built yet"),
-        "{e}"
-    );
+    let mut f = flags(&model, &train, &dir.path().join("run4"), 1, 1);
+    f.extend(["--tp", "4"].map(String::from));
+    let out = Command::new(bin())
+        .arg("--nproc-per-node")
+        .arg("4")
+        .args(&f)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("(14) is not divisible by the tensor-parallel size 4"), "{e}");
 }

@@ -620,9 +620,6 @@ impl Qwen3 {
         self.check_batch(batch)?;
         self.check_tp(tp)?;
         self.check_sp(batch)?;
-        if self.ctx.sequence_parallel && matches!(head, Head::Hidden(_)) {
-            bail!("sequence parallelism runs the LM head only; a custom head (the critic's value head) needs it off");
-        }
         if !self.explicit_backward {
             if tp.size() > 1 {
                 bail!("the autograd reference has no tensor parallelism");
@@ -652,6 +649,15 @@ impl Qwen3 {
         let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
         let (loss_value, mut g, head_grads, tied_head_grad) = match head {
             Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params, tp)?,
+            // Under SP a custom head (the critic's value head, replicated over TP) sees every
+            // token: the last residual is gathered, the head runs on the whole batch on every rank
+            // (so its gradients and the final norm's are whole on each, as at TP 1), and dL/dx is
+            // cut back to this rank's tokens (every rank computes the same loss).
+            head if self.ctx.sequence_parallel => {
+                let whole = tp.all_gather(&x)?;
+                let (l, g, hg, tied) = self.autograd_head(&whole, batch, head, &mut params)?;
+                (l, self.sp_slice(&g)?, hg, tied)
+            }
             head => self.autograd_head(&x, batch, head, &mut params)?,
         };
 

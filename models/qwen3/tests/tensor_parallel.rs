@@ -97,21 +97,66 @@ fn check_sp(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize, sp:
             "tp {tp} rank {r} loss {l} vs {l1}"
         );
     }
-    assert_eq!(runs[0].3.len(), g1.len());
-    for (name, want) in &g1 {
+    let per_rank: Vec<&BTreeMap<String, Tensor>> = runs.iter().map(|x| &x.3).collect();
+    assert_grads_match(&t0, tp, sp, &g1, &per_rank);
+}
+
+/// Every TP=1 gradient equals the ranks' shards concatenated along the split dim (replicated
+/// ones: equal on every rank and to TP=1).
+fn assert_grads_match(
+    t0: &LayoutTable,
+    tp: usize,
+    sp: bool,
+    g1: &BTreeMap<String, Tensor>,
+    runs: &[&BTreeMap<String, Tensor>],
+) {
+    assert_eq!(runs[0].len(), g1.len());
+    for (name, want) in g1 {
         let place = t0.get(name).unwrap().entry.placement;
         let got = match place.split_dim() {
-            Some(d) => Tensor::cat(&runs.iter().map(|x| x.3[name].clone()).collect::<Vec<_>>(), d).unwrap(),
+            Some(d) => Tensor::cat(&runs.iter().map(|x| x[name].clone()).collect::<Vec<_>>(), d).unwrap(),
             None => {
                 for (r, x) in runs.iter().enumerate() {
-                    let e = rel_err(&x.3[name], &runs[0].3[name]).unwrap();
+                    let e = rel_err(&x[name], &runs[0][name]).unwrap();
                     assert!(e < 1e-6, "tp {tp} sp {sp}: replicated {name} differs on rank {r} ({e})");
                 }
-                runs[0].3[name].clone()
+                runs[0][name].clone()
             }
         };
         let e = rel_err(&got.to_dtype(DType::F32).unwrap(), &want.to_dtype(DType::F32).unwrap()).unwrap();
         assert!(e < TOL, "tp {tp} sp {sp}: gradient of {name} ({place:?}) off by {e}");
+    }
+}
+
+/// A custom head on the final hidden states (the PPO critic's value head is one): under TP and
+/// SP it sees every token on every rank, and the loss and every gradient equal TP=1.
+#[test]
+fn a_custom_head_under_tp_and_sp_matches_tp1() {
+    let (cfg, global) = fixture("untied_bias");
+    let b = batch();
+    let r = Rng::new(9)
+        .randn(&[b.num_tokens(), cfg.hidden_size], 1.0, DType::F32, &Device::Cpu)
+        .unwrap();
+    let head = |h: &Tensor| -> anyhow::Result<Tensor> { Ok((h * &r)?.tanh()?.sum_all()?) };
+    let whole = Qwen3::from_tensors(cfg.clone(), global.clone()).unwrap();
+    let (l1, g1) = whole.forward_backward_with_head(&b, Recompute::None, head).unwrap();
+    let tp = 2;
+    for sp in [false, true] {
+        let runs = vime_dist::cpu::run_threads(tp, "tp", |rank, g| {
+            let mut m = shards(&cfg, &global, rank, tp);
+            m.set_sequence_parallel(sp);
+            let (l, gr) = m.forward_backward_with_head_tp(&b, Recompute::Full, head, g)?;
+            Ok((l, gr.params))
+        })
+        .unwrap();
+        for (rank, (l, _)) in runs.iter().enumerate() {
+            assert!(
+                (l - l1).abs() <= TOL * l1.abs().max(1.0),
+                "tp {tp} sp {sp} rank {rank}: loss {l} vs {l1}"
+            );
+        }
+        let per_rank: Vec<&BTreeMap<String, Tensor>> = runs.iter().map(|x| &x.1).collect();
+        assert_grads_match(&table(&cfg, 0, tp), tp, sp, &g1.params, &per_rank);
     }
 }
 

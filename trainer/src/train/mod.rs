@@ -236,12 +236,6 @@ impl<'a> Run<'a> {
 
         let policy_loss = args.loss_type == LossType::PolicyLoss;
         let needs_ref = policy_loss && (args.rl.use_kl_loss || args.rl.kl_coef != 0.0);
-        if tp.size() > 1 {
-            ensure!(
-                !(policy_loss && args.rl.use_critic() && args.parallel.sequence_parallel),
-                "--sequence-parallel with a PPO critic: the value head under sequence parallelism is not built yet"
-            );
-        }
         let reference = if needs_ref {
             let dir = args
                 .ref_load
@@ -277,6 +271,7 @@ impl<'a> Run<'a> {
             };
             if tp.size() > 1 {
                 critic = critic.shard(tp.rank(), tp.size())?;
+                critic.set_sequence_parallel(args.parallel.sequence_parallel);
             }
             critic.set_kernel_config(kernels.clone());
             let critic_args = OptimizerArgs {
