@@ -36,6 +36,27 @@ pub trait Collectives {
     fn send(&self, t: &Tensor, peer: usize) -> Result<()>;
     fn recv(&self, shape: &[usize], dtype: DType, peer: usize) -> Result<Tensor>;
 
+    /// The sum (or max) over the group of `t`, as [`Self::all_reduce`] (or, with `scatter`, as
+    /// [`Self::reduce_scatter`]), while `work` runs on this thread: communication overlapped with
+    /// computation, as Megatron overlaps a layer's dgrad collective with its wgrad GEMMs. `work`
+    /// must not use this group. The default runs the collective, then `work`; a backend that can
+    /// run both at once overrides it. The result is the same either way.
+    fn reduce_while(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+        scatter: bool,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Tensor> {
+        let r = if scatter {
+            self.reduce_scatter(t, op)?
+        } else {
+            self.all_reduce(t, op)?
+        };
+        work()?;
+        Ok(r)
+    }
+
     /// Host bytes from `root` to every rank (any length; other ranks' `data` is ignored).
     fn broadcast_bytes(&self, data: &[u8], root: usize) -> Result<Vec<u8>>;
     /// Every rank's bytes (any lengths), in group-rank order, on every rank.

@@ -368,6 +368,32 @@ impl Collectives for CpuGroup {
     fn rank(&self) -> usize {
         self.rank
     }
+
+    /// The collective on a scoped helper thread (it only waits on this group's sockets and sums),
+    /// `work` on this one.
+    fn reduce_while(
+        &self,
+        t: &Tensor,
+        op: ReduceOp,
+        scatter: bool,
+        work: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<Tensor> {
+        std::thread::scope(|s| {
+            let comm = s.spawn(|| {
+                if scatter {
+                    self.reduce_scatter(t, op)
+                } else {
+                    self.all_reduce(t, op)
+                }
+            });
+            let worked = work();
+            let reduced = comm
+                .join()
+                .map_err(|_| anyhow!("group {}: the overlapped collective panicked", self.name))?;
+            worked?;
+            reduced
+        })
+    }
     fn size(&self) -> usize {
         self.members.len()
     }

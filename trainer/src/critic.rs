@@ -227,6 +227,11 @@ impl Critic {
         self.backbone.set_sequence_parallel(on);
     }
 
+    /// `--tp-comm-overlap` for the backbone's backward (see `Qwen3::set_tp_comm_overlap`).
+    pub fn set_tp_comm_overlap(&mut self, on: bool) {
+        self.backbone.set_tp_comm_overlap(on);
+    }
+
     /// The whole critic from the TP shards (a collective over `tp`; kept where `keep`).
     pub fn gathered(&self, tp: &dyn vime_dist::Collectives, keep: bool) -> Result<Option<Self>> {
         let full = self.backbone.gathered_state_dict(tp)?;

@@ -487,11 +487,11 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
     for (nproc, label, sp) in [
         (2usize, "tp 2", false),
         (4, "tp 2 x dp 2", false),
-        (2, "tp 2 + sp", true),
+        (2, "tp 2 + sp (comm overlap)", true),
     ] {
         let save = dir.path().join(format!("tp2-{nproc}-{sp}"));
         let tp_flags: &[&str] = if sp {
-            &["--tp", "2", "--sequence-parallel"]
+            &["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]
         } else {
             &["--tp", "2"]
         };

@@ -78,6 +78,10 @@ pub struct BlockCtx {
     /// column-parallel layers all-gather their input along the tokens and the row-parallel ones
     /// reduce-scatter their output (backward: the duals).
     pub sequence_parallel: bool,
+    /// `--tp-comm-overlap`: the backward starts the collective of each column-parallel layer's
+    /// input gradient (q/k/v, gate/up) and computes the layer's weight gradients while it runs
+    /// (`Collectives::reduce_while`). The same numbers either way.
+    pub comm_overlap: bool,
 }
 
 impl BlockCtx {
@@ -93,6 +97,7 @@ impl BlockCtx {
             rope_theta: cfg.rope_theta,
             kernels,
             sequence_parallel: false,
+            comm_overlap: false,
         }
     }
 
@@ -253,6 +258,22 @@ fn sp_reduce(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor> 
     }
 }
 
+/// [`sp_reduce`] of `t` with `work` run meanwhile: overlapped under `ctx.comm_overlap` (when the
+/// backend can), else the collective then the work.
+fn sp_reduce_while(
+    ctx: &BlockCtx,
+    tp: &dyn Collectives,
+    t: Tensor,
+    work: &mut dyn FnMut() -> Result<()>,
+) -> Result<Tensor> {
+    if tp.size() == 1 || !ctx.comm_overlap {
+        let r = sp_reduce(ctx, tp, t)?;
+        work()?;
+        return Ok(r);
+    }
+    tp.reduce_while(&t, ReduceOp::Sum, ctx.sequence_parallel, work)
+}
+
 /// A gradient that is partial over the token slices under sequence parallelism (norm weights,
 /// o's bias): summed over TP then; as it is otherwise.
 fn sp_partial(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
@@ -367,13 +388,18 @@ impl Block {
         drop(dy_all);
         let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
         drop(ds);
-        put(grads, name("mlp.gate_proj.weight"), wgrad(&dg, h2)?)?;
-        put(grads, name("mlp.up_proj.weight"), wgrad(&du, h2)?)?;
-        let dh2 = sp_reduce(
-            ctx,
-            tp,
-            matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?,
-        )?;
+        // The input gradient first; its reduction runs while gate's and up's weight gradients
+        // are computed.
+        let dh2 = matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?;
+        let mut mlp_w = Vec::new();
+        let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
+            mlp_w.push((name("mlp.gate_proj.weight"), wgrad(&dg, h2)?));
+            mlp_w.push((name("mlp.up_proj.weight"), wgrad(&du, h2)?));
+            Ok(())
+        })?;
+        for (n, g) in mlp_w {
+            put(grads, n, g)?;
+        }
         drop((dg, du));
         let (dx2n, dwpost) = rms_norm_backward(&s.x2, &dw(&self.post_norm), eps, &dh2)?;
         put(
@@ -414,20 +440,29 @@ impl Block {
 
         // q/k/v projections and the input norm.
         let h1 = &sp_gather(ctx, tp, s.h1.clone())?;
-        put(grads, name("self_attn.q_proj.weight"), wgrad(&dq, h1)?)?;
-        put(grads, name("self_attn.k_proj.weight"), wgrad(&dk, h1)?)?;
-        put(grads, name("self_attn.v_proj.weight"), wgrad(&dv, h1)?)?;
-        for (b, g, n) in [
-            (&self.q_bias, &dq, "q"),
-            (&self.k_bias, &dk, "k"),
-            (&self.v_bias, &dv, "v"),
-        ] {
-            if b.is_some() {
-                put(grads, name(&format!("self_attn.{n}_proj.bias")), bgrad(g)?)?;
-            }
-        }
+        // The input gradient first; its reduction runs while q's, k's and v's weight (and bias)
+        // gradients are computed.
         let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
-        let dh1 = sp_reduce(ctx, tp, matmul_acc(dh1, &dv, &dw(&self.v_proj))?)?;
+        let dh1 = matmul_acc(dh1, &dv, &dw(&self.v_proj))?;
+        let mut qkv_w = Vec::new();
+        let dh1 = sp_reduce_while(ctx, tp, dh1, &mut || {
+            qkv_w.push((name("self_attn.q_proj.weight"), wgrad(&dq, h1)?));
+            qkv_w.push((name("self_attn.k_proj.weight"), wgrad(&dk, h1)?));
+            qkv_w.push((name("self_attn.v_proj.weight"), wgrad(&dv, h1)?));
+            for (b, g, n) in [
+                (&self.q_bias, &dq, "q"),
+                (&self.k_bias, &dk, "k"),
+                (&self.v_bias, &dv, "v"),
+            ] {
+                if b.is_some() {
+                    qkv_w.push((name(&format!("self_attn.{n}_proj.bias")), bgrad(g)?));
+                }
+            }
+            Ok(())
+        })?;
+        for (n, g) in qkv_w {
+            put(grads, n, g)?;
+        }
         let (dxn, dwin) = rms_norm_backward(&s.x, &dw(&self.input_norm), eps, &dh1)?;
         put(grads, name("input_layernorm.weight"), sp_partial(ctx, tp, dwin)?)?;
         Ok((dx2 + dxn)?)

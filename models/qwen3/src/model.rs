@@ -361,6 +361,12 @@ impl Qwen3 {
         self.ctx.sequence_parallel = on && self.tp.size > 1;
     }
 
+    /// `--tp-comm-overlap`: overlap the backward's TP reductions with the weight gradients (see
+    /// `BlockCtx::comm_overlap`).
+    pub fn set_tp_comm_overlap(&mut self, on: bool) {
+        self.ctx.comm_overlap = on;
+    }
+
     pub fn sequence_parallel(&self) -> bool {
         self.ctx.sequence_parallel
     }

@@ -81,7 +81,19 @@ fn check_sp(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize, sp:
     let runs = vime_dist::cpu::run_threads(tp, "tp", |r, g| {
         let mut m = shards(cfg, global, r, tp);
         m.set_sequence_parallel(sp);
-        run(&m, g)
+        let out = run(&m, g)?;
+        // Overlapping the reductions with the weight gradients changes no bit.
+        m.set_tp_comm_overlap(true);
+        let (_, _, l, grads) = run(&m, g)?;
+        anyhow::ensure!(l == out.2, "overlap changed the loss");
+        for (n, t) in &grads {
+            let (a, b) = (
+                t.flatten_all()?.to_vec1::<f32>()?,
+                out.3[n].flatten_all()?.to_vec1::<f32>()?,
+            );
+            anyhow::ensure!(a == b, "overlap changed the gradient of {n}");
+        }
+        Ok(out)
     })
     .unwrap();
     let t0 = table(cfg, 0, tp);

@@ -220,6 +220,12 @@ pub struct ParallelArgs {
     /// effect at TP 1.
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Megatron's flag: overlap the backward's tensor-parallel reductions (each column-parallel
+    /// layer's input gradient) with the layer's weight-gradient GEMMs. The same numbers either
+    /// way. The CPU backend overlaps them on a helper thread; NCCL does not overlap them yet: its
+    /// collectives run on the compute stream.
+    #[arg(long)]
+    pub tp_comm_overlap: bool,
     /// Megatron's flag (`--cp`): context-parallel size. Only 1 yet (its own issue).
     #[arg(long = "context-parallel-size", visible_alias = "cp", default_value_t = 1)]
     pub context_parallel_size: usize,

@@ -198,6 +198,7 @@ impl<'a> Run<'a> {
         }
         policy.set_kernel_config(kernels.clone());
         policy.set_sequence_parallel(args.parallel.sequence_parallel);
+        policy.set_tp_comm_overlap(args.parallel.tp_comm_overlap);
         let cfg = policy.config().clone();
         ensure!(
             tokenizer.vocab_size() <= cfg.vocab_size,
@@ -272,6 +273,7 @@ impl<'a> Run<'a> {
             if tp.size() > 1 {
                 critic = critic.shard(tp.rank(), tp.size())?;
                 critic.set_sequence_parallel(args.parallel.sequence_parallel);
+                critic.set_tp_comm_overlap(args.parallel.tp_comm_overlap);
             }
             critic.set_kernel_config(kernels.clone());
             let critic_args = OptimizerArgs {
