@@ -561,3 +561,42 @@ pub fn run_threads<T: Send>(
             .collect()
     })
 }
+
+/// [`run_threads`] over a `tp x cp` grid of thread ranks (TP fastest, as Megatron orders them:
+/// global rank `c * tp + t`): `f(global rank, its TP group, its CP group)`, results in global-rank
+/// order. For the tests of layers that communicate over two groups.
+pub fn run_threads_grid<T: Send>(
+    tp: usize,
+    cp: usize,
+    f: impl Fn(usize, &dyn crate::Collectives, &dyn crate::Collectives) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let t = Timeouts::default();
+    let addr = format!("127.0.0.1:{}", crate::launch::free_port()?);
+    let _server = crate::store::StoreServer::bind(&addr, t.heartbeat)?;
+    let n = tp * cp;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|g| {
+                let (f, addr) = (&f, &addr);
+                s.spawn(move || -> Result<T> {
+                    let store = StoreClient::connect(addr, g, t.rendezvous)?;
+                    let (c, r) = (g / tp, g % tp);
+                    let tp_members: Vec<usize> = (0..tp).map(|i| c * tp + i).collect();
+                    let cp_members: Vec<usize> = (0..cp).map(|i| i * tp + r).collect();
+                    let tpg = CpuGroup::new(&store, &format!("tp{c}"), &tp_members, g, &t)?;
+                    let cpg = CpuGroup::new(&store, &format!("cp{r}"), &cp_members, g, &t)?;
+                    f(g, &tpg, &cpg)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(g, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow!("rank {g} panicked")))
+                    .with_context(|| format!("rank {g}"))
+            })
+            .collect()
+    })
+}

@@ -161,6 +161,12 @@ pub(crate) enum Attention<'a> {
         cu_seqlens_q: &'a Arc<[u32]>,
         cu_seqlens_k: &'a Arc<[u32]>,
     },
+    /// A packed batch under context parallelism: this rank's zigzag chunks as queries, the keys
+    /// and values of each chunk's prefix gathered over `cp` (see `context_parallel`).
+    ContextParallel {
+        shard: &'a crate::context_parallel::CpShard,
+        cp: &'a dyn Collectives,
+    },
 }
 
 impl Attention<'_> {
@@ -182,6 +188,16 @@ impl Attention<'_> {
                 Ok((a, Some(s)))
             }
             Attention::Packed { cu_seqlens: cu } => Ok((varlen_attention(q, k, v, cu, cu, scale, &ctx.kernels)?, None)),
+            Attention::ContextParallel { shard, cp } => {
+                let (kc, vc) = (shard.gather_keys(k, cp)?, shard.gather_keys(v, cp)?);
+                let (cq, ck) = (&shard.batch.cu_seqlens, &shard.cu_seqlens_k);
+                if save {
+                    let (a, s) = varlen_attention_saved(q, &kc, &vc, cq, ck, scale, &ctx.kernels)?;
+                    Ok((a, Some(s)))
+                } else {
+                    Ok((varlen_attention(q, &kc, &vc, cq, ck, scale, &ctx.kernels)?, None))
+                }
+            }
             Attention::Cached { .. } if save => bail!("KV-cached attention has no backward"),
             Attention::Cached {
                 cache,
@@ -371,6 +387,7 @@ impl Block {
         dy: &Tensor,
         grads: &mut BTreeMap<String, Tensor>,
         tp: &dyn Collectives,
+        attention: &Attention<'_>,
     ) -> Result<Tensor> {
         let (nh, nkv, d, eps) = (ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.eps);
         let t = s.qr.dim(0)?;
@@ -418,7 +435,20 @@ impl Block {
         }
         let da = dx2_all.matmul(&dw(&self.o_proj))?.reshape((t, nh, d))?;
         drop(dx2_all);
-        let (dqr, dkr, dv) = varlen_attention_backward(&s.attn_saved, &s.qr, &s.kr, &s.v, &s.attn, &da)?;
+        let (dqr, dkr, dv) = match attention {
+            // The prefix keys are gathered again (not saved); their gradients go back to the
+            // ranks that hold those tokens.
+            Attention::ContextParallel { shard, cp } => {
+                let (kc, vc) = (shard.gather_keys(&s.kr, *cp)?, shard.gather_keys(&s.v, *cp)?);
+                let (dq, dkc, dvc) = varlen_attention_backward(&s.attn_saved, &s.qr, &kc, &vc, &s.attn, &da)?;
+                (
+                    dq,
+                    shard.scatter_key_grads(&dkc, &s.kr, *cp)?,
+                    shard.scatter_key_grads(&dvc, &s.v, *cp)?,
+                )
+            }
+            _ => varlen_attention_backward(&s.attn_saved, &s.qr, &s.kr, &s.v, &s.attn, &da)?,
+        };
         drop(da);
         let (dq, dwqn) = rms_norm_backward(
             &s.q,
@@ -597,7 +627,7 @@ mod tp_tests {
         let att = Attention::Packed { cu_seqlens: &cu };
         let (y, saved) = block.forward(&ctx, x, &positions, &att, true, tp)?;
         let mut grads = BTreeMap::new();
-        let dx = block.backward(&ctx, saved.unwrap(), dy, &mut grads, tp)?;
+        let dx = block.backward(&ctx, saved.unwrap(), dy, &mut grads, tp, &att)?;
         Ok((y, dx, grads))
     }
 

@@ -16,6 +16,7 @@ pub mod batch;
 pub mod block;
 pub mod checkpoint;
 pub mod config;
+pub mod context_parallel;
 pub mod infer;
 pub mod model;
 mod reference;

@@ -23,6 +23,7 @@ use crate::batch::PackedBatch;
 use crate::block::{Attention, Block, BlockCtx};
 use crate::checkpoint;
 use crate::config::Qwen3Config;
+use crate::context_parallel::CpShard;
 use crate::state_dict::param_specs;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{backprop::GradStore, DType, Device, Tensor, Var};
@@ -516,15 +517,41 @@ impl Qwen3 {
 
     /// [`Self::hidden_states`] of a tensor-parallel shard, with its TP group (replicated result).
     pub fn hidden_states_tp(&self, batch: &PackedBatch, tp: &dyn Collectives) -> Result<Tensor> {
+        let attention = Attention::Packed {
+            cu_seqlens: &batch.cu_seqlens,
+        };
+        self.hidden_states_with(batch, tp, &attention)
+    }
+
+    /// [`Self::hidden_states_tp`] of a CP rank's share of a batch (`shard.batch`'s tokens).
+    pub fn hidden_states_cp(&self, shard: &CpShard, tp: &dyn Collectives, cp: &dyn Collectives) -> Result<Tensor> {
+        self.check_cp(shard, cp)?;
+        self.hidden_states_with(&shard.batch, tp, &Attention::ContextParallel { shard, cp })
+    }
+
+    /// [`Self::logprobs_entropy_tp`] of a CP rank's share of a batch, in `shard.batch`'s order.
+    pub fn logprobs_entropy_cp(
+        &self,
+        shard: &CpShard,
+        tp: &dyn Collectives,
+        cp: &dyn Collectives,
+    ) -> Result<TokenOutputs> {
+        let h = self.hidden_states_cp(shard, tp, cp)?;
+        self.head_logprobs(&h, &shard.batch, tp)
+    }
+
+    fn hidden_states_with(
+        &self,
+        batch: &PackedBatch,
+        tp: &dyn Collectives,
+        attention: &Attention<'_>,
+    ) -> Result<Tensor> {
         self.check_batch(batch)?;
         self.check_tp(tp)?;
         self.check_sp(batch)?;
         let mut x = self.embed_tokens_tp(batch, tp)?.0;
-        let attention = Attention::Packed {
-            cu_seqlens: &batch.cu_seqlens,
-        };
         for b in &self.blocks {
-            x = b.forward(&self.ctx, &x, &batch.position_ids, &attention, false, tp)?.0;
+            x = b.forward(&self.ctx, &x, &batch.position_ids, attention, false, tp)?.0;
         }
         let h = rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?;
         if self.ctx.sequence_parallel {
@@ -549,9 +576,14 @@ impl Qwen3 {
     /// every rank of `tp`.
     pub fn logprobs_entropy_tp(&self, batch: &PackedBatch, tp: &dyn Collectives) -> Result<TokenOutputs> {
         let h = self.hidden_states_tp(batch, tp)?;
+        self.head_logprobs(&h, batch, tp)
+    }
+
+    /// The LM head's log-probs and entropy of final-normed hidden states (vocab-parallel under TP).
+    fn head_logprobs(&self, h: &Tensor, batch: &PackedBatch, tp: &dyn Collectives) -> Result<TokenOutputs> {
         if tp.size() > 1 {
             let (logprobs, entropy, _) = crate::vocab_parallel::vocab_parallel_logprobs_entropy(
-                &h,
+                h,
                 &self.lm_head_weight(false),
                 &batch.targets,
                 &self.vocab_shard()?,
@@ -560,12 +592,8 @@ impl Qwen3 {
             )?;
             return Ok(TokenOutputs { logprobs, entropy });
         }
-        let (logprobs, entropy) = logprobs_entropy(
-            &h,
-            &self.lm_head_weight(false),
-            &batch.targets,
-            self.logits_chunk_tokens,
-        )?;
+        let (logprobs, entropy) =
+            logprobs_entropy(h, &self.lm_head_weight(false), &batch.targets, self.logits_chunk_tokens)?;
         Ok(TokenOutputs { logprobs, entropy })
     }
 
@@ -577,7 +605,13 @@ impl Qwen3 {
         recompute: Recompute,
         loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), &SingleRank::default())
+        self.forward_backward_impl(
+            batch,
+            recompute,
+            Head::Lm(Box::new(loss_fn)),
+            &SingleRank::default(),
+            None,
+        )
     }
 
     /// [`Self::forward_backward`] of a tensor-parallel shard with its TP group: the loss is the
@@ -589,7 +623,62 @@ impl Qwen3 {
         loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
         tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp)
+        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp, None)
+    }
+
+    /// [`Self::forward_backward_tp`] under context parallelism: `shard` is this CP rank's share of
+    /// the batch ([`CpShard::new`]), `cp` its CP group. The loss sees this rank's tokens only
+    /// (`TokenOutputs` in `shard.batch`'s order), and the gradients are this rank's share: summed
+    /// over CP (with a loss that sums over tokens), they are the whole batch's.
+    pub fn forward_backward_cp(
+        &self,
+        shard: &CpShard,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
+        tp: &dyn Collectives,
+        cp: &dyn Collectives,
+    ) -> Result<(f64, Gradients)> {
+        self.check_cp(shard, cp)?;
+        self.forward_backward_impl(
+            &shard.batch,
+            recompute,
+            Head::Lm(Box::new(loss_fn)),
+            tp,
+            Some((shard, cp)),
+        )
+    }
+
+    /// [`Self::forward_backward_with_head_tp`] under context parallelism (see
+    /// [`Self::forward_backward_cp`]): the head sees this rank's tokens.
+    pub fn forward_backward_with_head_cp(
+        &self,
+        shard: &CpShard,
+        recompute: Recompute,
+        head: impl FnOnce(&Tensor) -> Result<Tensor>,
+        tp: &dyn Collectives,
+        cp: &dyn Collectives,
+    ) -> Result<(f64, Gradients)> {
+        self.check_cp(shard, cp)?;
+        self.forward_backward_impl(
+            &shard.batch,
+            recompute,
+            Head::Hidden(Box::new(head)),
+            tp,
+            Some((shard, cp)),
+        )
+    }
+
+    fn check_cp(&self, shard: &CpShard, cp: &dyn Collectives) -> Result<()> {
+        if cp.size() != shard.cp || cp.rank() != shard.rank {
+            bail!(
+                "the batch is CP rank {} of {}'s share, but the CP group given is rank {} of {}",
+                shard.rank,
+                shard.cp,
+                cp.rank(),
+                cp.size()
+            );
+        }
+        Ok(())
     }
 
     /// The general form: `head` maps the final-normed hidden states `[T, hidden]` (tracked) to a
@@ -601,11 +690,18 @@ impl Qwen3 {
         recompute: Recompute,
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), &SingleRank::default())
+        self.forward_backward_impl(
+            batch,
+            recompute,
+            Head::Hidden(Box::new(head)),
+            &SingleRank::default(),
+            None,
+        )
     }
 
-    /// [`Self::forward_backward_with_head`] of a tensor-parallel shard (no sequence parallelism:
-    /// the head sees the replicated hidden states, so its own gradients are equal on every rank).
+    /// [`Self::forward_backward_with_head`] of a tensor-parallel shard: the head sees every
+    /// token's hidden state (gathered under sequence parallelism), so its own gradients are equal
+    /// on every rank.
     pub fn forward_backward_with_head_tp(
         &self,
         batch: &PackedBatch,
@@ -613,7 +709,7 @@ impl Qwen3 {
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
         tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), tp)
+        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), tp, None)
     }
 
     fn forward_backward_impl(
@@ -622,19 +718,26 @@ impl Qwen3 {
         recompute: Recompute,
         head: Head<'_>,
         tp: &dyn Collectives,
+        cp: Option<(&CpShard, &dyn Collectives)>,
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
         self.check_tp(tp)?;
         self.check_sp(batch)?;
         if !self.explicit_backward {
+            if cp.is_some() {
+                bail!("the autograd reference has no context parallelism");
+            }
             if tp.size() > 1 {
                 bail!("the autograd reference has no tensor parallelism");
             }
             return crate::reference::forward_backward(self, batch, recompute, head);
         }
         let keep = recompute == Recompute::None;
-        let attention = Attention::Packed {
-            cu_seqlens: &batch.cu_seqlens,
+        let attention = match cp {
+            Some((shard, cp)) => Attention::ContextParallel { shard, cp },
+            None => Attention::Packed {
+                cu_seqlens: &batch.cu_seqlens,
+            },
         };
         // Forward. Under `None`, `saved[l]` holds block l's saved activations; under `Full`,
         // `inputs[l]` holds only the block's input.
@@ -676,7 +779,7 @@ impl Qwen3 {
                     .1
                     .expect("a saving forward saves"),
             };
-            g = b.backward(&self.ctx, s, &g, &mut params, tp)?;
+            g = b.backward(&self.ctx, s, &g, &mut params, tp, &attention)?;
         }
 
         // Embedding (under TP: this rank's vocabulary rows; the other ranks' rows are masked out).

@@ -1,0 +1,165 @@
+//! Context parallelism (Megatron's `--context-parallel-size`, zigzag), at the model level: each
+//! sequence of a packed batch is padded to a multiple of `2 cp` tokens and cut into `2 cp` equal
+//! chunks; CP rank `r` holds chunks `r` and `2 cp - 1 - r` of every sequence (slime's
+//! `cp_utils.py`, Megatron's layout), so the causal attention work is even across ranks.
+//!
+//! - [`CpShard::new`] builds a rank's local [`PackedBatch`] from the global one: its chunks back to
+//!   back, positions global (RoPE), targets global (a chunk's last token predicts the first token
+//!   of the next chunk, held by another rank), padding tokens with no target. `cu_seqlens` bounds
+//!   the query chunks (two per sequence).
+//! - Attention: every rank's roped K and V are all-gathered over CP (GQA makes them 4x smaller
+//!   than Q at Qwen3-4B), and each local query chunk `j` of a sequence attends the sequence's
+//!   chunks `0..=j` (an index list into the gathered buffer; the kernel's bottom-right causal mask
+//!   with `L_k = (j + 1) c > L_q = c` gives each query its prefix). Backward: the attention
+//!   backward on the same keys, `dK`/`dV` scattered back into the gathered layout (`index_add`)
+//!   and reduce-scattered over CP to their owners. The gathered keys are not saved: the backward
+//!   gathers them again, as sequence parallelism does.
+//! - Everything else in the model is token-local: a CP rank's gradients are its tokens' share,
+//!   summed over CP by the caller (the trainer folds CP into the data-parallel reduction), and a
+//!   loss that is a sum over tokens is the sum of the ranks' local losses.
+use crate::batch::PackedBatch;
+use anyhow::{bail, ensure, Result};
+use candle_core::{Device, Tensor};
+use std::sync::Arc;
+use vime_dist::{Collectives, ReduceOp};
+use vime_kernels::lm_head::IGNORE_TARGET;
+
+/// A rank's share of a packed batch under context parallelism, and what its attention needs.
+#[derive(Debug, Clone)]
+pub struct CpShard {
+    pub cp: usize,
+    pub rank: usize,
+    /// The local tokens: both chunks of every sequence, in sequence order.
+    pub batch: PackedBatch,
+    /// Key sequence bounds, one per query chunk: chunk `j` of a sequence sees `(j + 1) c` keys.
+    pub cu_seqlens_k: Arc<[u32]>,
+    /// For each key of the attention's key layout, its row in the CP all-gather of the ranks'
+    /// local tokens (rank-major).
+    pub kv_index: Arc<[u32]>,
+    /// For each local token, its index in the global packed batch (`None`: padding).
+    pub global_index: Vec<Option<u32>>,
+    /// Chunk length of each sequence.
+    pub chunk: Vec<usize>,
+}
+
+impl CpShard {
+    /// Rank `rank` of `cp`'s share of `global`. Sequences are padded to a multiple of
+    /// `2 cp x multiple` tokens (`multiple`: the TP size under sequence parallelism, else 1), so
+    /// every chunk, and the local batch, splits over TP too.
+    pub fn new(global: &PackedBatch, cp: usize, rank: usize, multiple: usize) -> Result<Self> {
+        ensure!(cp >= 1 && rank < cp, "context-parallel rank {rank} of {cp}");
+        ensure!(multiple >= 1, "pad multiple must be >= 1");
+        let n = global.num_sequences();
+        let unit = 2 * cp * multiple;
+        let chunk: Vec<usize> = (0..n)
+            .map(|s| global.seq_range(s).len().div_ceil(unit) * unit / (2 * cp))
+            .collect();
+        let local_t: usize = chunk.iter().map(|c| 2 * c).sum();
+        let (mut ids, mut pos, mut tgt, mut gidx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut cu_q = vec![0u32];
+        for (s, &c) in chunk.iter().enumerate() {
+            let range = global.seq_range(s);
+            for j in [rank, 2 * cp - 1 - rank] {
+                for p in j * c..(j + 1) * c {
+                    let g = range.start + p;
+                    if g < range.end {
+                        ids.push(global.input_ids[g]);
+                        tgt.push(global.targets[g]);
+                        gidx.push(Some(g as u32));
+                    } else {
+                        ids.push(global.input_ids[range.start]);
+                        tgt.push(IGNORE_TARGET);
+                        gidx.push(None);
+                    }
+                    pos.push(p as u32);
+                }
+                cu_q.push(ids.len() as u32);
+            }
+        }
+        // Where global chunk j of sequence s sits in the rank-major all-gather of local tokens.
+        let mut seq_start = Vec::with_capacity(n);
+        let mut acc = 0usize;
+        for &c in &chunk {
+            seq_start.push(acc);
+            acc += 2 * c;
+        }
+        let at = |s: usize, j: usize| -> usize {
+            let (owner, slot) = if j < cp { (j, 0) } else { (2 * cp - 1 - j, 1) };
+            owner * local_t + seq_start[s] + slot * chunk[s]
+        };
+        let (mut kv_index, mut cu_k) = (Vec::new(), vec![0u32]);
+        for (s, &c) in chunk.iter().enumerate() {
+            for j in [rank, 2 * cp - 1 - rank] {
+                for jj in 0..=j {
+                    let base = at(s, jj);
+                    kv_index.extend((base..base + c).map(|i| i as u32));
+                }
+                cu_k.push(kv_index.len() as u32);
+            }
+        }
+        Ok(Self {
+            cp,
+            rank,
+            batch: PackedBatch {
+                input_ids: ids.into(),
+                position_ids: pos.into(),
+                cu_seqlens: cu_q.into(),
+                targets: tgt.into(),
+            },
+            cu_seqlens_k: cu_k.into(),
+            kv_index: kv_index.into(),
+            global_index: gidx,
+            chunk,
+        })
+    }
+
+    /// Puts per-token values of the local batch (`[T_local, ..]`) back into the global batch's
+    /// order: `[T_global, ..]` from every rank's local values (in rank order, as an all-gather of
+    /// them returns), padding dropped.
+    pub fn to_global(shards: &[CpShard], locals: &[Tensor], global_tokens: usize) -> Result<Tensor> {
+        ensure!(shards.len() == locals.len(), "one local tensor per CP rank");
+        let mut rows: Vec<Option<(usize, usize)>> = vec![None; global_tokens];
+        for (r, sh) in shards.iter().enumerate() {
+            for (i, g) in sh.global_index.iter().enumerate() {
+                if let Some(g) = g {
+                    rows[*g as usize] = Some((r, i));
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(global_tokens);
+        for (g, row) in rows.iter().enumerate() {
+            let Some((r, i)) = row else {
+                bail!("global token {g} is on no CP rank");
+            };
+            out.push(locals[*r].narrow(0, *i, 1)?);
+        }
+        Ok(Tensor::cat(&out, 0)?)
+    }
+
+    fn index(&self, device: &Device) -> Result<Tensor> {
+        Ok(Tensor::from_slice(&self.kv_index, self.kv_index.len(), device)?)
+    }
+
+    /// The keys (or values) each local query chunk attends: `[sum_k, heads, d]` from this rank's
+    /// `[T_local, heads, d]`, through an all-gather over `cp`.
+    pub(crate) fn gather_keys(&self, local: &Tensor, cp: &dyn Collectives) -> Result<Tensor> {
+        let all = cp.all_gather(&local.contiguous()?)?;
+        Ok(all.index_select(&self.index(local.device())?, 0)?)
+    }
+
+    /// The gradient of [`Self::gather_keys`]: `d_keys [sum_k, heads, d]` back to this rank's
+    /// tokens `[T_local, heads, d]` (summed over every chunk that attended them, on every rank).
+    pub(crate) fn scatter_key_grads(
+        &self,
+        d_keys: &Tensor,
+        local_like: &Tensor,
+        cp: &dyn Collectives,
+    ) -> Result<Tensor> {
+        let t = local_like.dim(0)?;
+        let mut shape = local_like.dims().to_vec();
+        shape[0] = t * self.cp;
+        let zeros = Tensor::zeros(shape.as_slice(), d_keys.dtype(), d_keys.device())?;
+        let all = zeros.index_add(&self.index(d_keys.device())?, d_keys, 0)?;
+        cp.reduce_scatter(&all, ReduceOp::Sum)
+    }
+}
