@@ -252,6 +252,16 @@ impl Critic {
         self.head(&self.backbone.hidden_states_tp(batch, tp)?, false)
     }
 
+    /// [`Self::values_tp`] of a CP rank's share of a batch (`shard.batch`'s order).
+    pub fn values_cp(
+        &self,
+        shard: &vime_qwen3::context_parallel::CpShard,
+        tp: &dyn vime_dist::Collectives,
+        cp: &dyn vime_dist::Collectives,
+    ) -> Result<Tensor> {
+        self.head(&self.backbone.hidden_states_cp(shard, tp, cp)?, false)
+    }
+
     /// The optimizer layout of this critic at its TP place: the backbone's Megatron split, the
     /// value head replicated.
     pub fn layout(&self, dtype: DType, tp_rank: usize, tp_size: usize) -> Result<vime_dist::layout::LayoutTable> {
@@ -273,6 +283,22 @@ impl Critic {
             ));
         }
         vime_dist::layout::LayoutTable::new(entries, tp_rank, tp_size)
+    }
+
+    /// [`Self::forward_backward_tp`] under context parallelism: `loss_fn` sees this rank's
+    /// tokens' values (see `Qwen3::forward_backward_cp`).
+    pub fn forward_backward_cp(
+        &self,
+        shard: &vime_qwen3::context_parallel::CpShard,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+        tp: &dyn vime_dist::Collectives,
+        cp: &dyn vime_dist::Collectives,
+    ) -> Result<(f64, Gradients)> {
+        let (loss, grads) =
+            self.backbone
+                .forward_backward_with_head_cp(shard, recompute, |h| loss_fn(&self.head(h, true)?), tp, cp)?;
+        self.take_head_grads(loss, grads)
     }
 
     /// Values of a micro-batch read back per sample's response tokens (for old values / GAE).
@@ -299,9 +325,14 @@ impl Critic {
         loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
         tp: &dyn vime_dist::Collectives,
     ) -> Result<(f64, Gradients)> {
-        let (loss, mut grads) =
+        let (loss, grads) =
             self.backbone
                 .forward_backward_with_head_tp(batch, recompute, |h| loss_fn(&self.head(h, true)?), tp)?;
+        self.take_head_grads(loss, grads)
+    }
+
+    /// The backbone's gradients without the unused LM head, plus the value head's.
+    fn take_head_grads(&self, loss: f64, mut grads: Gradients) -> Result<(f64, Gradients)> {
         grads.params.remove(LM_HEAD);
         for (name, var) in [(VALUE_HEAD_WEIGHT, &self.weight), (VALUE_HEAD_BIAS, &self.bias)] {
             let g = match grads.head.remove(var.as_tensor()) {
@@ -369,5 +400,15 @@ impl ReferenceModel {
     /// [`Self::logprobs`] of a TP shard, with its TP group.
     pub fn logprobs_tp(&self, batch: &PackedBatch, tp: &dyn vime_dist::Collectives) -> Result<Tensor> {
         Ok(self.model.logprobs_entropy_tp(batch, tp)?.logprobs)
+    }
+
+    /// [`Self::logprobs_tp`] of a CP rank's share of a batch (`shard.batch`'s order).
+    pub fn logprobs_cp(
+        &self,
+        shard: &vime_qwen3::context_parallel::CpShard,
+        tp: &dyn vime_dist::Collectives,
+        cp: &dyn vime_dist::Collectives,
+    ) -> Result<Tensor> {
+        Ok(self.model.logprobs_entropy_cp(shard, tp, cp)?.logprobs)
     }
 }

@@ -590,6 +590,72 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
     );
 }
 
+// ------------------------------------------------------------------------------------------
+// context parallelism in the loop
+// ------------------------------------------------------------------------------------------
+
+/// One GRPO step (KL term on, so the reference scores under CP too) at CP = 2 and TP = 2 x CP = 2
+/// (4 processes), and one PPO step at CP = 2 (the critic's values and value loss under CP), against
+/// CP = 1 on the arithmetic task's model. Every sequence is cut into 2 x cp zigzag chunks (padded
+/// to a multiple of 2 cp); scoring passes gather the chunks back, losses and metrics and gradients
+/// are summed over CP. Bounds as for TP.
+#[test]
+fn cp2_and_tp2_by_cp2_match_cp1_per_parameter() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train) = task_of(TaskKind::Arith, &dir.path().join("task"));
+    let flags_for = |save: &Path, extra: &[&str]| -> Vec<String> {
+        let mut f = flags(&model, &train, save, 1, 1);
+        f.extend(extra.iter().map(|s| s.to_string()));
+        f
+    };
+    let before = load(&model.join("model.safetensors"));
+    let check = |label: &str, base: &Path, save: &Path, keys: &[&str], files: &[&str]| {
+        for key in keys {
+            let (a, b) = (metric(base, 1, key), metric(save, 1, key));
+            let err = (a - b).abs() / a.abs().max(1e-3);
+            eprintln!("{label}: {key} {b:.9e} vs cp 1 {a:.9e} (error {err:.1e})");
+            assert!(err <= 1e-5, "{label}: {key} {b} vs {a} (error {err:e})");
+        }
+        for file in files {
+            let (w, _) = compare(
+                &format!("{label} {file}"),
+                Some(&before),
+                &load(&iter_dir(base, 1).join(file)),
+                &load(&iter_dir(save, 1).join(file)),
+                |_| 1e-3,
+            );
+            eprintln!("{label}: {file} updates within {w:.1e} of cp 1");
+        }
+    };
+    let base = dir.path().join("cp1");
+    run(1, &flags_for(&base, &[]));
+    let grpo = ["train/loss", "train/grad_norm", "train/entropy_loss", "train/kl_loss"];
+    for (nproc, label, extra) in [
+        (2usize, "cp 2", &["--cp", "2"][..]),
+        (4, "tp 2 x cp 2", &["--tp", "2", "--cp", "2"][..]),
+    ] {
+        let save = dir.path().join(label.replace(' ', "-"));
+        run(nproc, &flags_for(&save, extra));
+        check(label, &base, &save, &grpo, &["hf/model.safetensors"]);
+    }
+    let ppo_base = dir.path().join("ppo-cp1");
+    run(1, &flags_for(&ppo_base, &["--advantage-estimator", "ppo"]));
+    let ppo = dir.path().join("ppo-cp2");
+    run(2, &flags_for(&ppo, &["--advantage-estimator", "ppo", "--cp", "2"]));
+    check(
+        "ppo cp 2",
+        &ppo_base,
+        &ppo,
+        &["train/grad_norm", "critic/grad_norm", "critic/value_loss"],
+        &["hf/model.safetensors", "critic/model.safetensors"],
+    );
+    let (a, b) = (
+        load(&iter_dir(&ppo_base, 1).join("critic/value_head.safetensors")),
+        load(&iter_dir(&ppo, 1).join("critic/value_head.safetensors")),
+    );
+    compare("ppo cp 2 value head", None, &a, &b, |_| 1e-4);
+}
+
 /// What TP cannot do yet, or cannot do with this model, is a clear error.
 #[test]
 fn tp_refusals_name_the_reason() {

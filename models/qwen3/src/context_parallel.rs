@@ -40,6 +40,8 @@ pub struct CpShard {
     pub global_index: Vec<Option<u32>>,
     /// Chunk length of each sequence.
     pub chunk: Vec<usize>,
+    /// The pad multiple it was built with (see [`CpShard::new`]).
+    pub multiple: usize,
 }
 
 impl CpShard {
@@ -110,6 +112,7 @@ impl CpShard {
             kv_index: kv_index.into(),
             global_index: gidx,
             chunk,
+            multiple,
         })
     }
 
@@ -134,6 +137,40 @@ impl CpShard {
             out.push(locals[*r].narrow(0, *i, 1)?);
         }
         Ok(Tensor::cat(&out, 0)?)
+    }
+
+    /// Every rank's per-token values (`local`: `[T_local, ..]` on this rank) in the global batch's
+    /// order, on every rank: an all-gather over `cp`, then [`Self::to_global`]. What a scoring
+    /// pass returns under CP.
+    pub fn gather_to_global(&self, global: &PackedBatch, local: &Tensor, cp: &dyn Collectives) -> Result<Tensor> {
+        if self.cp == 1 {
+            return Self::to_global(
+                std::slice::from_ref(self),
+                std::slice::from_ref(local),
+                global.num_tokens(),
+            );
+        }
+        let all = cp.all_gather(&local.contiguous()?)?;
+        let t = local.dim(0)?;
+        let shards = (0..self.cp)
+            .map(|r| CpShard::new(global, self.cp, r, self.multiple))
+            .collect::<Result<Vec<_>>>()?;
+        let parts = (0..self.cp)
+            .map(|r| Ok(all.narrow(0, r * t, t)?))
+            .collect::<Result<Vec<_>>>()?;
+        Self::to_global(&shards, &parts, global.num_tokens())
+    }
+
+    /// For each global token index in `global_positions`: its index in this rank's local batch, or
+    /// `None` when another CP rank holds it.
+    pub fn local_positions(&self, global_positions: &[usize]) -> Vec<Option<usize>> {
+        let mut at = std::collections::HashMap::with_capacity(self.global_index.len());
+        for (i, g) in self.global_index.iter().enumerate() {
+            if let Some(g) = g {
+                at.insert(*g as usize, i);
+            }
+        }
+        global_positions.iter().map(|p| at.get(p).copied()).collect()
     }
 
     fn index(&self, device: &Device) -> Result<Tensor> {

@@ -104,6 +104,17 @@ impl LossReducer {
         })
     }
 
+    /// This reducer restricted to the tokens where `keep` (`[N]`, 0/1) is 1, with the same
+    /// denominators: what a context-parallel rank reduces over the tokens it holds, so that the
+    /// ranks' sums add up to the whole batch's. (Per-sample means, `sample_mean_per_token`, would
+    /// need the other ranks' tokens; GSPO is refused under CP.)
+    pub fn restricted_to(&self, keep: &Tensor) -> Result<Self> {
+        self.check("keep", &keep.to_dtype(self.mask.dtype())?)?;
+        let mut r = self.clone();
+        r.weights = self.weights.mul(&keep.to_dtype(self.weights.dtype())?)?;
+        Ok(r)
+    }
+
     /// The scalar `reduce(x)` of the type comment.
     pub fn reduce(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.mul(&self.weights)?.sum_all()?)

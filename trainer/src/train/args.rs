@@ -226,7 +226,9 @@ pub struct ParallelArgs {
     /// collectives run on the compute stream.
     #[arg(long)]
     pub tp_comm_overlap: bool,
-    /// Megatron's flag (`--cp`): context-parallel size. Only 1 yet (its own issue).
+    /// Megatron's flag (`--cp`): context-parallel size. Each micro-batch's sequences are cut into
+    /// `2 x cp` chunks, rank r holding chunks r and 2cp-1-r (zigzag); K/V are all-gathered over
+    /// CP in attention; losses, metrics and gradients are summed over CP.
     #[arg(long = "context-parallel-size", visible_alias = "cp", default_value_t = 1)]
     pub context_parallel_size: usize,
     /// Megatron's flag (`--dp`): derived as world size / (tp x cp); when given, it must agree.
@@ -260,11 +262,6 @@ impl ParallelArgs {
         ensure!(
             self.tensor_model_parallel_size >= 1 && self.context_parallel_size >= 1,
             "--tensor-model-parallel-size and --context-parallel-size must be at least 1"
-        );
-        ensure!(
-            self.context_parallel_size == 1,
-            "--context-parallel-size {} is not supported yet: vime has data parallelism (and ZeRO-1) so far",
-            self.context_parallel_size
         );
         if let Some(d) = self.data_parallel_size {
             ensure!(d >= 1, "--data-parallel-size must be at least 1");

@@ -53,6 +53,7 @@ use step::{PolicyData, StepConfig, StepReport};
 use ui::Ui;
 use vime_dist::World;
 use vime_qwen3::batch::PackedBatch;
+use vime_qwen3::context_parallel::CpShard;
 use vime_qwen3::model::{Qwen3, Recompute};
 use vime_qwen3::state_dict::param_specs;
 use vime_rollout::data::{PromptDataset, PromptSample, Tokenizer};
@@ -236,6 +237,12 @@ impl<'a> Run<'a> {
         }
 
         let policy_loss = args.loss_type == LossType::PolicyLoss;
+        ensure!(
+            !(world.dims().cp > 1 && policy_loss && args.rl.advantage_estimator == crate::rl::AdvantageEstimator::Gspo),
+            "--advantage-estimator gspo with --context-parallel-size {}: GSPO's per-sample mean log-ratio spans \
+             the CP ranks' chunks, which vime does not combine yet",
+            world.dims().cp
+        );
         let needs_ref = policy_loss && (args.rl.use_kl_loss || args.rl.kl_coef != 0.0);
         let reference = if needs_ref {
             let dir = args
@@ -357,8 +364,11 @@ impl<'a> Run<'a> {
         };
 
         drop(whole);
+        // Under CP a micro-batch's tokens are spread over the CP ranks: each holds about 1 / cp.
         let micro_batches = match args.max_tokens_per_gpu {
-            Some(m) => MicroBatchPolicy::Dynamic { max_tokens_per_gpu: m },
+            Some(m) => MicroBatchPolicy::Dynamic {
+                max_tokens_per_gpu: m * world.dims().cp,
+            },
             None => MicroBatchPolicy::Fixed {
                 micro_batch_size: args.micro_batch_size,
             },
@@ -849,13 +859,27 @@ impl<'a> Run<'a> {
                     step::score_responses(&samples, idx, mbs, self.pad_tokens_to(), f)
                 })
             };
-            let tp = &**self.world.tp();
-            let old = split(&|b| Ok(self.policy.logprobs_entropy_tp(b, tp)?.logprobs))?;
+            let (tp, cp) = (&**self.world.tp(), &**self.world.cp());
+            // Under CP each rank scores its zigzag share of a micro-batch, and the shares are
+            // gathered back into the batch's order on every rank.
+            let pad = self.pad_tokens_to();
+            let on_cp =
+                |b: &PackedBatch, f: &dyn Fn(&CpShard) -> Result<candle_core::Tensor>| -> Result<candle_core::Tensor> {
+                    let shard = CpShard::new(b, cp.size(), cp.rank(), pad)?;
+                    shard.gather_to_global(b, &f(&shard)?, cp)
+                };
+            let old = if cp.size() > 1 {
+                split(&|b| on_cp(b, &|s| Ok(self.policy.logprobs_entropy_cp(s, tp, cp)?.logprobs)))?
+            } else {
+                split(&|b| Ok(self.policy.logprobs_entropy_tp(b, tp)?.logprobs))?
+            };
             let reference = match &self.reference {
+                Some(r) if cp.size() > 1 => Some(split(&|b| on_cp(b, &|s| r.logprobs_cp(s, tp, cp)))?),
                 Some(r) => Some(split(&|b| r.logprobs_tp(b, tp))?),
                 None => None,
             };
             let values = match &self.critic {
+                Some((c, _, _)) if cp.size() > 1 => Some(split(&|b| on_cp(b, &|s| c.values_cp(s, tp, cp)))?),
                 Some((c, _, _)) => Some(split(&|b| c.values_tp(b, tp))?),
                 None => None,
             };
@@ -947,6 +971,7 @@ impl<'a> Run<'a> {
             clip_grad: args.optim.clip_grad,
             dp: &**self.world.dp(),
             tp: &**self.world.tp(),
+            cp: &**self.world.cp(),
             balance_data: args.parallel.balance_data,
             pad_tokens_to: self.pad_tokens_to(),
         };

@@ -14,7 +14,8 @@ use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
 use vime_qwen3::batch::PackedBatch;
-use vime_qwen3::model::{Qwen3, Recompute};
+use vime_qwen3::context_parallel::CpShard;
+use vime_qwen3::model::{Qwen3, Recompute, TokenOutputs};
 use vime_rollout::engine::FinishReason;
 
 /// One generated (or, for SFT, given) sample.
@@ -54,31 +55,63 @@ fn normalizer(samples: &[Sample], indices: &[usize], per_token: bool) -> f64 {
 
 /// What the micro-batch closure needs about its loss tokens.
 struct LossTokens {
-    /// Packed positions of the response tokens, in sample order.
+    /// Positions of the response tokens in the model's outputs, in sample order: the packed
+    /// batch's, or under context parallelism this rank's local batch's (0 where another CP rank
+    /// holds the token).
     positions: Tensor,
     /// `[0, n_0, n_0 + n_1, ..]` over the micro-batch's samples.
     cu_seqlens: Vec<usize>,
     mask: Tensor,
+    /// Under CP: `[N]` 1 where this rank holds the loss token, else 0.
+    local: Option<Tensor>,
 }
 
 impl LossTokens {
-    fn new(mb: &MicroBatch, device: &Device) -> Result<Self> {
+    fn new(mb: &MicroBatch, shard: Option<&CpShard>, device: &Device) -> Result<Self> {
         let mut pos = Vec::new();
         let mut cu = vec![0usize];
         for r in &mb.response_ranges {
-            pos.extend(r.clone().map(|p| p as u32));
+            pos.extend(r.clone());
             cu.push(pos.len());
         }
         let n = pos.len();
+        let (pos, local): (Vec<u32>, Option<Tensor>) = match shard {
+            None => (pos.iter().map(|&p| p as u32).collect(), None),
+            Some(sh) => {
+                let at = sh.local_positions(&pos);
+                let keep: Vec<f32> = at.iter().map(|a| if a.is_some() { 1.0 } else { 0.0 }).collect();
+                (
+                    at.iter().map(|a| a.unwrap_or(0) as u32).collect(),
+                    Some(Tensor::from_vec(keep, n, device)?),
+                )
+            }
+        };
         Ok(Self {
             positions: Tensor::from_vec(pos, n, device)?,
             cu_seqlens: cu,
             mask: Tensor::ones(n, candle_core::DType::F32, device)?,
+            local,
+        })
+    }
+
+    /// The loss tokens' values of a per-token model output (f32). Under CP the tokens another
+    /// rank holds take `elsewhere` (a constant: the old log-prob, so that ratios there are 1 and
+    /// finite) or 0; the reducer gives them no weight, so they add nothing to the loss or its
+    /// gradient.
+    fn gather_or(&self, x: &Tensor, elsewhere: Option<&Tensor>) -> Result<Tensor> {
+        let g = x.index_select(&self.positions, 0)?;
+        let Some(keep) = &self.local else {
+            return Ok(g);
+        };
+        let kept = g.mul(keep)?;
+        Ok(match elsewhere {
+            Some(e) => (kept + e.detach().mul(&(1.0 - keep)?)?)?,
+            None => kept,
         })
     }
 
     fn gather(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.index_select(&self.positions, 0)?)
+        self.gather_or(x, None)
     }
 
     /// Per-sample host values of the micro-batch's samples, concatenated: `[N]` f32.
@@ -97,7 +130,11 @@ impl LossTokens {
     }
 
     fn reducer(&self, per_token: bool) -> Result<LossReducer> {
-        LossReducer::new(&self.cu_seqlens, &self.mask, None, per_token)
+        let r = LossReducer::new(&self.cu_seqlens, &self.mask, None, per_token)?;
+        match &self.local {
+            Some(keep) => r.restricted_to(keep),
+            None => Ok(r),
+        }
     }
 }
 
@@ -160,10 +197,28 @@ pub struct StepConfig<'a> {
     pub dp: &'a dyn vime_dist::Collectives,
     /// The tensor-parallel group of the model's shards (a group of one without TP).
     pub tp: &'a dyn vime_dist::Collectives,
+    /// The context-parallel group: each micro-batch's sequences are split over it (zigzag), the
+    /// losses, metrics and gradients summed over it (a group of one without CP).
+    pub cp: &'a dyn vime_dist::Collectives,
     pub balance_data: bool,
     /// Pad each micro-batch's tokens to a multiple of this (the TP size under sequence
-    /// parallelism, else 1).
+    /// parallelism, else 1). Under CP, each sequence is padded to a multiple of `2 cp x` this.
     pub pad_tokens_to: usize,
+}
+
+impl StepConfig<'_> {
+    /// This CP rank's share of a micro-batch (`None` without CP).
+    fn cp_shard(&self, batch: &PackedBatch) -> Result<Option<CpShard>> {
+        if self.cp.size() == 1 {
+            return Ok(None);
+        }
+        Ok(Some(CpShard::new(
+            batch,
+            self.cp.size(),
+            self.cp.rank(),
+            self.pad_tokens_to,
+        )?))
+    }
 }
 
 fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>, scale: f64) {
@@ -182,7 +237,12 @@ fn optimizer_step(
     cfg: &StepConfig,
     opt: &mut DistributedAdamW,
     sched: &LrScheduler,
-    mut mb_fn: impl FnMut(&MicroBatch, &LossTokens, f64) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
+    mut mb_fn: impl FnMut(
+        &MicroBatch,
+        Option<&CpShard>,
+        &LossTokens,
+        f64,
+    ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
     device: &Device,
 ) -> Result<StepReport> {
     let norm = normalizer(samples, indices, cfg.rl.calculate_per_token_loss);
@@ -205,15 +265,25 @@ fn optimizer_step(
     for local in cfg.micro_batches.plan(&lengths)? {
         let global: Vec<usize> = local.iter().map(|&j| mine[j]).collect();
         let mut mb = MicroBatch::new(&views, &global)?;
-        mb.pad_to_multiple(cfg.pad_tokens_to)?;
-        let lt = LossTokens::new(&mb, device)?;
-        let (grads, metrics) = mb_fn(&mb, &lt, norm)?;
+        if cfg.cp.size() == 1 {
+            mb.pad_to_multiple(cfg.pad_tokens_to)?;
+        }
+        let shard = cfg.cp_shard(&mb.batch)?;
+        let lt = LossTokens::new(&mb, shard.as_ref(), device)?;
+        let (grads, metrics) = mb_fn(&mb, shard.as_ref(), &lt, norm)?;
         acc.add(&grads)?;
         accumulate(&mut report.metrics, &metrics, 1.0);
         tokens += mb.sample_tokens();
         micro_batches += 1;
     }
-    let grads = acc.take();
+    let mut grads = acc.take();
+    // Under CP each rank holds its tokens' share of the gradients and of the loss metrics.
+    if cfg.cp.size() > 1 {
+        for g in grads.values_mut() {
+            *g = cfg.cp.all_reduce(g, vime_dist::ReduceOp::Sum)?;
+        }
+        super::parallel::sum_metrics(cfg.cp, &mut report.metrics)?;
+    }
     // For the multi-rank failure tests: a rank that dies, or fails with an error, while the
     // others wait in a collective.
     let fault = std::env::var("VIME_FAULT_INJECT").unwrap_or_default();
@@ -266,36 +336,35 @@ pub fn policy_step(
         cfg,
         opt,
         sched,
-        |mb, lt, norm| {
+        |mb, shard, lt, norm| {
             let adv = lt.host(mb, data.advantages, &device)?;
             let old = lt.host(mb, data.old_log_probs, &device)?;
             let reference = data.ref_log_probs.map(|r| lt.host(mb, r, &device)).transpose()?;
             let roll = rollout.as_deref().map(|r| lt.host(mb, r, &device)).transpose()?;
             let mut metrics = BTreeMap::new();
-            let (_, grads) = model.forward_backward_tp(
-                &mb.batch,
-                cfg.recompute,
-                |o| {
-                    let logp = lt.gather(&o.logprobs)?;
-                    let entropy = lt.gather(&o.entropy)?;
-                    let reducer = lt.reducer(per_token)?;
-                    let out = policy_loss(
-                        cfg.rl,
-                        &PolicyLossInputs {
-                            log_probs: &logp,
-                            entropy: &entropy,
-                            advantages: &adv,
-                            old_log_probs: Some(&old),
-                            ref_log_probs: reference.as_ref(),
-                            rollout_log_probs: roll.as_ref(),
-                        },
-                        &reducer,
-                    )?;
-                    accumulate(&mut metrics, &out.metrics, 1.0 / norm);
-                    Ok((out.loss / norm)?)
-                },
-                cfg.tp,
-            )?;
+            let loss_fn = |o: &TokenOutputs| {
+                let logp = lt.gather_or(&o.logprobs, Some(&old))?;
+                let entropy = lt.gather(&o.entropy)?;
+                let reducer = lt.reducer(per_token)?;
+                let out = policy_loss(
+                    cfg.rl,
+                    &PolicyLossInputs {
+                        log_probs: &logp,
+                        entropy: &entropy,
+                        advantages: &adv,
+                        old_log_probs: Some(&old),
+                        ref_log_probs: reference.as_ref(),
+                        rollout_log_probs: roll.as_ref(),
+                    },
+                    &reducer,
+                )?;
+                accumulate(&mut metrics, &out.metrics, 1.0 / norm);
+                Ok((out.loss / norm)?)
+            };
+            let (_, grads) = match shard {
+                Some(sh) => model.forward_backward_cp(sh, cfg.recompute, loss_fn, cfg.tp, cfg.cp)?,
+                None => model.forward_backward_tp(&mb.batch, cfg.recompute, loss_fn, cfg.tp)?,
+            };
             Ok((grads.params, metrics))
         },
         &device,
@@ -320,24 +389,22 @@ pub fn sft_step(
         cfg,
         opt,
         sched,
-        |mb, lt, norm| {
+        |mb, shard, lt, norm| {
             let mut metrics = BTreeMap::new();
-            let (_, grads) = model.forward_backward_tp(
-                &mb.batch,
-                cfg.recompute,
-                |o| {
-                    let logp = lt.gather(&o.logprobs)?;
-                    let entropy = lt.gather(&o.entropy)?;
-                    let reducer = lt.reducer(per_token)?;
-                    let loss = reducer.reduce(&logp)?.neg()?;
-                    let sum =
-                        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
-                    metrics.insert("loss".to_string(), sum(&loss)? / norm);
-                    metrics.insert("entropy_loss".to_string(), sum(&reducer.reduce(&entropy)?)? / norm);
-                    Ok((loss / norm)?)
-                },
-                cfg.tp,
-            )?;
+            let loss_fn = |o: &TokenOutputs| {
+                let logp = lt.gather(&o.logprobs)?;
+                let entropy = lt.gather(&o.entropy)?;
+                let reducer = lt.reducer(per_token)?;
+                let loss = reducer.reduce(&logp)?.neg()?;
+                let sum = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
+                metrics.insert("loss".to_string(), sum(&loss)? / norm);
+                metrics.insert("entropy_loss".to_string(), sum(&reducer.reduce(&entropy)?)? / norm);
+                Ok((loss / norm)?)
+            };
+            let (_, grads) = match shard {
+                Some(sh) => model.forward_backward_cp(sh, cfg.recompute, loss_fn, cfg.tp, cfg.cp)?,
+                None => model.forward_backward_tp(&mb.batch, cfg.recompute, loss_fn, cfg.tp)?,
+            };
             Ok((grads.params, metrics))
         },
         &device,
@@ -365,30 +432,29 @@ pub fn critic_step(
         cfg,
         opt,
         sched,
-        |mb, lt, norm| {
+        |mb, shard, lt, norm| {
             let old = lt.host(mb, old_values, &device)?;
             let ret = lt.host(mb, returns, &device)?;
             let mut metrics = BTreeMap::new();
-            let (_, grads) = critic.forward_backward_tp(
-                &mb.batch,
-                cfg.recompute,
-                |v| {
-                    let values = lt.gather(v)?.to_dtype(candle_core::DType::F32)?;
-                    let reducer = lt.reducer(per_token)?;
-                    let out = value_loss(
-                        cfg.rl,
-                        &ValueLossInputs {
-                            values: &values,
-                            old_values: &old,
-                            returns: &ret,
-                        },
-                        &reducer,
-                    )?;
-                    accumulate(&mut metrics, &out.metrics, 1.0 / norm);
-                    Ok((out.loss / norm)?)
-                },
-                cfg.tp,
-            )?;
+            let loss_fn = |v: &Tensor| {
+                let values = lt.gather_or(&v.to_dtype(candle_core::DType::F32)?, Some(&old))?;
+                let reducer = lt.reducer(per_token)?;
+                let out = value_loss(
+                    cfg.rl,
+                    &ValueLossInputs {
+                        values: &values,
+                        old_values: &old,
+                        returns: &ret,
+                    },
+                    &reducer,
+                )?;
+                accumulate(&mut metrics, &out.metrics, 1.0 / norm);
+                Ok((out.loss / norm)?)
+            };
+            let (_, grads) = match shard {
+                Some(sh) => critic.forward_backward_cp(sh, cfg.recompute, loss_fn, cfg.tp, cfg.cp)?,
+                None => critic.forward_backward_tp(&mb.batch, cfg.recompute, loss_fn, cfg.tp)?,
+            };
             Ok((grads.params, metrics))
         },
         &device,
