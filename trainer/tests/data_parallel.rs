@@ -692,4 +692,16 @@ fn tp_refusals_name_the_reason() {
     assert!(!out.status.success());
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("(14) is not divisible by the tensor-parallel size 4"), "{e}");
+    // GSPO's per-sample mean spans the CP ranks' chunks: refused under CP.
+    let mut f = flags(&model, &train, &dir.path().join("gspo"), 1, 1);
+    f.extend(["--cp", "2", "--advantage-estimator", "gspo"].map(String::from));
+    let out = Command::new(bin())
+        .arg("--nproc-per-node")
+        .arg("2")
+        .args(&f)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("gspo with --context-parallel-size 2"), "{e}");
 }
