@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The log-prob (scoring) pass's extra device memory at 32k tokens (issue 18): a random Qwen3-4B
+# checkpoint (scripts/gpu/random_qwen3.py), `vime-train logprobs` in bf16 on one sequence of
+# 32768 tokens and on one of 16 tokens, device memory sampled every 50 ms with nvidia-smi. The
+# difference of the two peaks is what the long pass adds over weights, context and workspaces.
+# Verdict "LOGPROB 32K: PASS" when it is <= 1 GiB (the issue's goal).
+#
+#   scripts/gpu/logprob_32k.sh [OUT_DIR]
+#
+# Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT} and the machine's torch + transformers.
+set -uo pipefail
+OUT=${1:-${OUT:-/tmp/logprob_32k_out}}
+mkdir -p "$OUT"
+source gpu-carry/device-env.sh
+[ -x /tmp/vime-train ] || { xz -dc gpu-carry/vime-train.xz > /tmp/vime-train && chmod +x /tmp/vime-train; }
+LOG="$OUT/logprob_32k.txt"
+W=$(mktemp -d)
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
+  echo "command: scripts/gpu/logprob_32k.sh $*"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} | tee "$LOG"
+mkdir -p "$W/tok"
+python3 - "$W/tok" <<'PY'
+import json, sys
+# A tokenizer is not needed by `vime-train logprobs`; random_qwen3.py copies two files from a dir.
+for f in ("tokenizer.json", "tokenizer_config.json"):
+    json.dump({}, open(f"{sys.argv[1]}/{f}", "w"))
+PY
+python3 scripts/gpu/random_qwen3.py qwen3-4b "$W/ckpt" "$W/tok" 2>&1 | tail -1 | tee -a "$LOG"
+python3 - "$W" <<'PY'
+import json, random, sys
+random.seed(0)
+for name, n in (("long", 32768), ("short", 16)):
+    with open(f"{sys.argv[1]}/{name}.jsonl", "w") as f:
+        f.write(json.dumps({"tokens": [random.randrange(151936) for _ in range(n)], "prompt_len": 1}) + "\n")
+PY
+peak_of() {  # peak_of NAME: runs the pass, prints its peak MiB
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$W/$1.mem" &
+  local smi=$!
+  /tmp/vime-train logprobs --hf-checkpoint "$W/ckpt" --input "$W/$1.jsonl" --output "$W/$1.out.jsonl" \
+    --dtype bf16 --device cuda --max-tokens-per-batch 32768 2>&1 | tail -1 | tee -a "$LOG" >&2
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  sort -n "$W/$1.mem" | tail -1
+}
+short=$(peak_of short)
+long=$(peak_of long)
+echo "peak device memory: 16 tokens $short MiB, 32768 tokens $long MiB" | tee -a "$LOG"
+python3 - "$short" "$long" <<'PY' 2>&1 | tee -a "$LOG"
+import sys
+s, l = int(sys.argv[1]), int(sys.argv[2])
+extra = (l - s) / 1024
+print(f"the 32k log-prob pass adds {extra:.2f} GiB over the 16-token one")
+print("LOGPROB 32K:", "PASS" if extra <= 1.0 else "FAIL")
+PY
