@@ -83,6 +83,8 @@ pub struct Qwen3 {
     params: Vec<(String, Var)>,
     /// Tokens per LM-head chunk (bounds the live logits block to `chunk x vocab` f32).
     logits_chunk_tokens: usize,
+    /// Tokens per query chunk of a forward-only pass (see `Block::forward_chunked`).
+    forward_chunk_tokens: usize,
     /// The blocks' local dims and kernel choice.
     ctx: BlockCtx,
     /// This model's tensor-parallel rank and size (its tensors are that rank's shards).
@@ -220,6 +222,7 @@ impl Qwen3 {
             lm_head,
             params,
             logits_chunk_tokens,
+            forward_chunk_tokens: 8192,
             ctx,
             tp,
             explicit_backward: true,
@@ -284,6 +287,7 @@ impl Qwen3 {
         let mut m = Self::from_shards(self.cfg.clone(), local, tp)?;
         m.ctx.kernels = self.ctx.kernels.clone();
         m.logits_chunk_tokens = self.logits_chunk_tokens;
+        m.forward_chunk_tokens = self.forward_chunk_tokens;
         Ok(m)
     }
 
@@ -348,6 +352,11 @@ impl Qwen3 {
     fn vocab_parallel_chunk(&self) -> usize {
         let local = (self.cfg.vocab_size / self.tp.size.max(1)).max(1);
         self.logits_chunk_tokens.min(((1usize << 24) / local).clamp(16, 4096))
+    }
+
+    /// Tokens per query chunk of a long forward-only pass (scoring) at TP 1 (default 8192).
+    pub fn set_forward_chunk_tokens(&mut self, n: usize) {
+        self.forward_chunk_tokens = n.max(1);
     }
 
     pub fn set_logits_chunk_tokens(&mut self, n: usize) {
@@ -550,6 +559,23 @@ impl Qwen3 {
         self.check_tp(tp)?;
         self.check_sp(batch)?;
         let mut x = self.embed_tokens_tp(batch, tp)?.0;
+        // A long forward-only pass at TP 1 runs each block in query chunks (see
+        // `Block::forward_chunked`): its live activations stay those of a chunk.
+        if tp.size() == 1
+            && matches!(attention, Attention::Packed { .. })
+            && batch.num_tokens() > self.forward_chunk_tokens
+        {
+            for b in &self.blocks {
+                x = b.forward_chunked(
+                    &self.ctx,
+                    &x,
+                    &batch.position_ids,
+                    &batch.cu_seqlens,
+                    self.forward_chunk_tokens,
+                )?;
+            }
+            return Ok(rms_norm(&x, &w(&self.norm, false), self.cfg.rms_norm_eps)?);
+        }
         for b in &self.blocks {
             x = b.forward(&self.ctx, &x, &batch.position_ids, attention, false, tp)?.0;
         }
