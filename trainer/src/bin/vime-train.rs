@@ -48,6 +48,9 @@ enum Cmd {
         /// Tokens per packed forward batch.
         #[arg(long, default_value_t = 8192)]
         max_tokens_per_batch: usize,
+        /// Tokens per query chunk of the forward (see `Qwen3::set_forward_chunk_tokens`).
+        #[arg(long, default_value_t = 8192)]
+        forward_chunk_tokens: usize,
     },
     /// Times the training step (forward + backward + AdamW) of a random-init Qwen3 release shape
     /// on synthetic tokens: tokens/s, MFU, peak memory (see vime_trainer::bench).
@@ -166,12 +169,14 @@ fn run(cli: Cli) -> Result<i32> {
             dtype,
             device,
             max_tokens_per_batch,
+            forward_chunk_tokens,
         }) => {
             let device = parse_device(&device)?;
             let dtype = parse_dtype(&dtype)?;
             let t0 = std::time::Instant::now();
-            let model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
+            let mut model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
                 .with_context(|| format!("loading the checkpoint {}", hf_checkpoint.display()))?;
+            model.set_forward_chunk_tokens(forward_chunk_tokens);
             let n = vime_trainer::score::score_file(&model, &input, &output, max_tokens_per_batch.max(1))?;
             eprintln!(
                 "scored {n} sequences in {:.2}s -> {}",
