@@ -7,62 +7,21 @@
 //!
 //!   cargo bench --bench recompute_memory            (default: 8 layers, 2048 tokens)
 //!   cargo bench --bench recompute_memory -- --layers 4 --tokens 512
+mod common;
+
 use anyhow::Result;
 use candle_core::{DType, Device};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use common::{num, LIVE, PEAK};
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::model::{Qwen3, Recompute};
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let p = System.alloc(l);
-        if !p.is_null() {
-            let now = LIVE.fetch_add(l.size(), Relaxed) + l.size();
-            PEAK.fetch_max(now, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l);
-        LIVE.fetch_sub(l.size(), Relaxed);
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let q = System.realloc(p, l, new);
-        if !q.is_null() {
-            if new > l.size() {
-                let now = LIVE.fetch_add(new - l.size(), Relaxed) + new - l.size();
-                PEAK.fetch_max(now, Relaxed);
-            } else {
-                LIVE.fetch_sub(l.size() - new, Relaxed);
-            }
-        }
-        q
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn main() -> Result<()> {
-    let layers = arg("--layers", 8);
-    let tokens = arg("--tokens", 2048);
-    let seqs = arg("--seqs", 4);
+    let layers = num("--layers", 8);
+    let tokens = num("--tokens", 2048);
+    let seqs = num("--seqs", 4);
     let cfg = Qwen3Config::from_json_str(&format!(
         r#"{{"model_type": "qwen3", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
         "num_hidden_layers": {layers}, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,

@@ -6,24 +6,15 @@
 //!
 //!   cargo bench --bench tp_overlap                      (4 layers, hidden 1024, 2048 tokens)
 //!   cargo bench --bench tp_overlap -- --layers 2 --tokens 1024 --steps 3
+mod common;
+
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use common::{arg, num};
 use std::time::Instant;
 use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::model::{Qwen3, Recompute, TpPlace};
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
-
-fn num(name: &str, default: usize) -> usize {
-    arg(name).and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

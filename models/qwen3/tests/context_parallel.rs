@@ -4,18 +4,17 @@
 //! a one-token sequence: every log-prob and entropy, the loss, and every parameter gradient (summed
 //! over CP) equal the CP = 1 run's, with and without recompute.
 
-use candle_core::{DType, Device, Tensor};
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::{fixture, shards, table};
 use std::collections::BTreeMap;
-use std::path::Path;
-use vime_dist::layout::{LayoutEntry, LayoutTable};
 use vime_dist::{Collectives, ReduceOp, SingleRank};
 use vime_kernels::testing::{rel_err, Rng};
 use vime_qwen3::batch::PackedBatch;
-use vime_qwen3::checkpoint::{load_config, load_hf_weights};
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::context_parallel::CpShard;
-use vime_qwen3::model::{Qwen3, Recompute, TokenOutputs, TpPlace};
-use vime_qwen3::state_dict::param_specs;
+use vime_qwen3::model::{Qwen3, Recompute, TokenOutputs};
 
 const TOL: f64 = 2e-5;
 
@@ -28,32 +27,6 @@ fn batch() -> PackedBatch {
         vec![1, 2, 3, 4, 5, 6, 7, 8],
     ])
     .unwrap()
-}
-
-fn fixture(name: &str) -> (Qwen3Config, BTreeMap<String, Tensor>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/hf")
-        .join(name);
-    let cfg = load_config(&dir).unwrap();
-    let w = load_hf_weights(&dir, &cfg, DType::F32, &Device::Cpu).unwrap();
-    (cfg, w)
-}
-
-fn table(cfg: &Qwen3Config, rank: usize, tp: usize) -> LayoutTable {
-    let e = param_specs(cfg)
-        .into_iter()
-        .map(|s| LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
-        .collect();
-    LayoutTable::new(e, rank, tp).unwrap()
-}
-
-fn shard_model(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, rank: usize, tp: usize) -> Qwen3 {
-    let t = table(cfg, rank, tp);
-    let local = global
-        .iter()
-        .map(|(n, g)| (n.clone(), t.local_shard(n, g).unwrap()))
-        .collect();
-    Qwen3::from_shards(cfg.clone(), local, TpPlace { rank, size: tp }).unwrap()
 }
 
 /// Per-token loss weights by GLOBAL token (padding weighs 0), so that every layout computes the
@@ -159,7 +132,7 @@ fn check(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize, cp: us
     let b = batch();
     for recompute in [Recompute::None, Recompute::Full] {
         let runs = vime_dist::cpu::run_threads_grid(tp, cp, |g, tpg, cpg| {
-            let mut m = shard_model(cfg, global, tpg.rank(), tp);
+            let mut m = shards(cfg, global, tpg.rank(), tp);
             m.set_sequence_parallel(sp);
             let shard = CpShard::new(&b, cp, cpg.rank(), if sp { tp } else { 1 })?;
             let out = cp_run(&m, &shard, tpg, cpg, recompute)?;

@@ -5,37 +5,18 @@
 //! name (sharded gradients concatenated along their split dim; replicated ones equal on every
 //! rank). f32; tolerance 2e-5 relative to the largest element (the sums run in another order).
 mod common;
+use common::{fixture, shards, table};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
-use std::path::Path;
-use vime_dist::layout::{LayoutEntry, LayoutTable};
+use vime_dist::layout::LayoutTable;
 use vime_dist::{Collectives, SingleRank};
 use vime_kernels::testing::{rel_err, Rng};
 use vime_qwen3::batch::PackedBatch;
-use vime_qwen3::checkpoint::{load_config, load_hf_weights};
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::model::{Qwen3, Recompute, TokenOutputs, TpPlace};
-use vime_qwen3::state_dict::param_specs;
 
 const TOL: f64 = 2e-5;
-
-fn table(cfg: &Qwen3Config, rank: usize, tp: usize) -> LayoutTable {
-    let e = param_specs(cfg)
-        .into_iter()
-        .map(|s| LayoutEntry::new(s.name, &s.shape, DType::F32, false, s.placement))
-        .collect();
-    LayoutTable::new(e, rank, tp).unwrap()
-}
-
-fn shards(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, rank: usize, tp: usize) -> Qwen3 {
-    let t = table(cfg, rank, tp);
-    let local = global
-        .iter()
-        .map(|(n, g)| (n.clone(), t.local_shard(n, g).unwrap()))
-        .collect();
-    Qwen3::from_shards(cfg.clone(), local, TpPlace { rank, size: tp }).unwrap()
-}
 
 fn batch() -> PackedBatch {
     PackedBatch::from_sequences(&[
@@ -170,15 +151,6 @@ fn a_custom_head_under_tp_and_sp_matches_tp1() {
         let per_rank: Vec<&BTreeMap<String, Tensor>> = runs.iter().map(|x| &x.1).collect();
         assert_grads_match(&table(&cfg, 0, tp), tp, sp, &g1.params, &per_rank);
     }
-}
-
-fn fixture(name: &str) -> (Qwen3Config, BTreeMap<String, Tensor>) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/hf")
-        .join(name);
-    let cfg = load_config(&dir).unwrap();
-    let w = load_hf_weights(&dir, &cfg, DType::F32, &Device::Cpu).unwrap();
-    (cfg, w)
 }
 
 #[test]
