@@ -161,7 +161,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
             &mut rng,
             &mut failures,
         )?;
-        checks += 5;
+        checks += 6;
     }
     #[cfg(feature = "cudnn")]
     check_cudnn_determinism(&gpu, &mut rng, &mut failures)?;
@@ -268,6 +268,19 @@ fn check_attention(
     check(
         &format!("varlen_attention 2x640 [{tag}]"),
         &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &c2, &c2, scale, kc),
+        &[q, k, v],
+        gpu,
+        failures,
+    )?;
+    // Context parallelism's zigzag layout (CP 2, one 2048-token sequence, chunks of 512): rank 0's
+    // query chunks 0 and 3 against their prefixes of 512 and 2048 keys.
+    let (cq, ck): (Arc<[u32]>, Arc<[u32]>) = (vec![0u32, 512, 1024].into(), vec![0u32, 512, 2560].into());
+    let q = rng.randn(&[1024, 32, 128], 1.0, bf, &Device::Cpu)?;
+    let k = rng.randn(&[2560, 8, 128], 1.0, bf, &Device::Cpu)?;
+    let v = rng.randn(&[2560, 8, 128], 1.0, bf, &Device::Cpu)?;
+    check(
+        &format!("varlen_attention CP 2 chunks [{tag}]"),
+        &|a| vime_kernels::varlen_attention(&a[0], &a[1], &a[2], &cq, &ck, scale, kc),
         &[q, k, v],
         gpu,
         failures,
