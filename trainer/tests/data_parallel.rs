@@ -597,8 +597,9 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
 /// One GRPO step (KL term on, so the reference scores under CP too) at CP = 2 and TP = 2 x CP = 2
 /// (4 processes), and one PPO step at CP = 2 (the critic's values and value loss under CP), against
 /// CP = 1 on the arithmetic task's model. Every sequence is cut into 2 x cp zigzag chunks (padded
-/// to a multiple of 2 cp); scoring passes gather the chunks back, losses and metrics and gradients
-/// are summed over CP. Bounds as for TP.
+/// to a multiple of 2 cp, x 2 under SP); scoring passes gather the chunks back, losses and metrics
+/// and gradients are summed over CP. `--max-tokens-per-gpu 40` counts a rank's share, so CP 2
+/// packs micro-batches of up to 80 tokens, and the sums still match. Bounds as for TP.
 #[test]
 fn cp2_and_tp2_by_cp2_match_cp1_per_parameter() {
     let dir = tempfile::tempdir().unwrap();
@@ -633,6 +634,11 @@ fn cp2_and_tp2_by_cp2_match_cp1_per_parameter() {
     for (nproc, label, extra) in [
         (2usize, "cp 2", &["--cp", "2"][..]),
         (4, "tp 2 x cp 2", &["--tp", "2", "--cp", "2"][..]),
+        (
+            4,
+            "tp 2 x cp 2 + sp",
+            &["--tp", "2", "--cp", "2", "--sequence-parallel"][..],
+        ),
     ] {
         let save = dir.path().join(label.replace(' ', "-"));
         run(nproc, &flags_for(&save, extra));
