@@ -355,7 +355,8 @@ impl Block {
                 cu_k.push(idx.len() as u32);
             }
             let (cu_q, cu_k): (Arc<[u32]>, Arc<[u32]>) = (cu_q.into(), cu_k.into());
-            let index = Tensor::from_vec(idx.clone(), idx.len(), x.device())?;
+            let keys = idx.len();
+            let index = Tensor::from_vec(idx, keys, x.device())?;
             let (kc, vc) = (kr.index_select(&index, 0)?, v.index_select(&index, 0)?);
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));

@@ -18,7 +18,7 @@
 //!   summed over CP by the caller (the trainer folds CP into the data-parallel reduction), and a
 //!   loss that is a sum over tokens is the sum of the ranks' local losses.
 use crate::batch::PackedBatch;
-use anyhow::{bail, ensure, Result};
+use anyhow::{anyhow, ensure, Result};
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 use vime_dist::{Collectives, ReduceOp};
@@ -121,44 +121,44 @@ impl CpShard {
     /// them returns), padding dropped.
     pub fn to_global(shards: &[CpShard], locals: &[Tensor], global_tokens: usize) -> Result<Tensor> {
         ensure!(shards.len() == locals.len(), "one local tensor per CP rank");
-        let mut rows: Vec<Option<(usize, usize)>> = vec![None; global_tokens];
-        for (r, sh) in shards.iter().enumerate() {
-            for (i, g) in sh.global_index.iter().enumerate() {
-                if let Some(g) = g {
-                    rows[*g as usize] = Some((r, i));
-                }
-            }
-        }
-        let mut out = Vec::with_capacity(global_tokens);
-        for (g, row) in rows.iter().enumerate() {
-            let Some((r, i)) = row else {
-                bail!("global token {g} is on no CP rank");
-            };
-            out.push(locals[*r].narrow(0, *i, 1)?);
-        }
-        Ok(Tensor::cat(&out, 0)?)
+        let all = Tensor::cat(locals, 0)?;
+        let index = Self::global_rows(shards, global_tokens)?;
+        Ok(all.index_select(&Tensor::from_vec(index, global_tokens, all.device())?, 0)?)
     }
 
     /// Every rank's per-token values (`local`: `[T_local, ..]` on this rank) in the global batch's
-    /// order, on every rank: an all-gather over `cp`, then [`Self::to_global`]. What a scoring
-    /// pass returns under CP.
+    /// order, on every rank: an all-gather over `cp`, then the rows picked in global order. What a
+    /// scoring pass returns under CP.
     pub fn gather_to_global(&self, global: &PackedBatch, local: &Tensor, cp: &dyn Collectives) -> Result<Tensor> {
-        if self.cp == 1 {
-            return Self::to_global(
-                std::slice::from_ref(self),
-                std::slice::from_ref(local),
-                global.num_tokens(),
-            );
-        }
-        let all = cp.all_gather(&local.contiguous()?)?;
-        let t = local.dim(0)?;
         let shards = (0..self.cp)
             .map(|r| CpShard::new(global, self.cp, r, self.multiple))
             .collect::<Result<Vec<_>>>()?;
-        let parts = (0..self.cp)
-            .map(|r| Ok(all.narrow(0, r * t, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Self::to_global(&shards, &parts, global.num_tokens())
+        let all = if self.cp == 1 {
+            local.clone()
+        } else {
+            cp.all_gather(&local.contiguous()?)?
+        };
+        let n = global.num_tokens();
+        let index = Self::global_rows(&shards, n)?;
+        Ok(all.index_select(&Tensor::from_vec(index, n, all.device())?, 0)?)
+    }
+
+    /// For each global token, its row in the rank-major concatenation of the ranks' local batches.
+    fn global_rows(shards: &[CpShard], global_tokens: usize) -> Result<Vec<u32>> {
+        let mut rows: Vec<Option<u32>> = vec![None; global_tokens];
+        let mut offset = 0usize;
+        for sh in shards {
+            for (i, g) in sh.global_index.iter().enumerate() {
+                if let Some(g) = g {
+                    rows[*g as usize] = Some((offset + i) as u32);
+                }
+            }
+            offset += sh.global_index.len();
+        }
+        rows.iter()
+            .enumerate()
+            .map(|(g, r)| r.ok_or_else(|| anyhow!("global token {g} is on no CP rank")))
+            .collect()
     }
 
     /// For each global token index in `global_positions`: its index in this rank's local batch, or
