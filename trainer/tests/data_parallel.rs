@@ -206,6 +206,25 @@ fn metric(save: &Path, step: u64, key: &str) -> f64 {
     *m.get(key).unwrap_or_else(|| panic!("no {key} at step {step}"))
 }
 
+/// Step 1's `keys` of the run in `save` equal the baseline's within 1e-5, relative with a floor of
+/// 1e-3: at the first step pg_loss and kl_loss are ~0 by construction (ratio 1, policy =
+/// reference), whatever the gradients.
+fn assert_metrics_match(label: &str, base: &Path, save: &Path, keys: &[&str]) {
+    for key in keys {
+        let (a, b) = (metric(base, 1, key), metric(save, 1, key));
+        let err = (a - b).abs() / a.abs().max(1e-3);
+        eprintln!("{label}: {key} {b:.9e} vs baseline {a:.9e} (error {err:.1e})");
+        assert!(err <= 1e-5, "{label}: {key} {b} vs {a} (error {err:e}, bound 1e-5)");
+    }
+}
+
+/// [`flags`] for one rollout of one step, plus `extra`.
+fn flags_with(model: &Path, train: &Path, save: &Path, extra: &[&str]) -> Vec<String> {
+    let mut f = flags(model, train, save, 1, 1);
+    f.extend(extra.iter().map(|s| s.to_string()));
+    f
+}
+
 // Bounds. DP = k sums its ranks' gradients in another order than one rank summing all
 // micro-batches, so the reduced f32 gradients differ by summation-order rounding: relative
 // ~1e-7 per element, more where a sum cancels. Adam's first moment is linear in the gradient
@@ -249,20 +268,18 @@ fn dp2_and_dp4_match_dp1_per_parameter() {
             flat < 1.0,
             "every group's rewards are equal: no advantage signal, nothing tested"
         );
-        for key in [
-            "train/loss",
-            "train/pg_loss",
-            "train/grad_norm",
-            "train/kl_loss",
-            "train/entropy_loss",
-        ] {
-            let (a, b) = (metric(base, 1, key), metric(save, 1, key));
-            // Relative, with a floor: at the first step pg_loss and kl_loss are ~0 by construction
-            // (ratio 1, policy = reference), whatever the gradients.
-            let err = (a - b).abs() / a.abs().max(1e-3);
-            eprintln!("dp {dp}: {key} {b:.9e} vs dp 1 {a:.9e} (error {err:.1e})");
-            assert!(err <= 1e-5, "dp {dp}: {key} {b} vs {a} (error {err:e}, bound 1e-5)");
-        }
+        assert_metrics_match(
+            &format!("dp {dp}"),
+            base,
+            save,
+            &[
+                "train/loss",
+                "train/pg_loss",
+                "train/grad_norm",
+                "train/kl_loss",
+                "train/entropy_loss",
+            ],
+        );
         let (w, n) = compare(
             &format!("dp {dp} weight updates"),
             Some(&before),
@@ -471,12 +488,7 @@ fn ctrl_c_stops_every_rank_at_one_step() {
 fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let (model, train) = task_of(TaskKind::Arith, &dir.path().join("task"));
-
-    let flags_for = |save: &Path, extra: &[&str]| -> Vec<String> {
-        let mut f = flags(&model, &train, save, 1, 1);
-        f.extend(extra.iter().map(|s| s.to_string()));
-        f
-    };
+    let flags_for = |save: &Path, extra: &[&str]| flags_with(&model, &train, save, extra);
     let base = dir.path().join("tp1");
     run(1, &flags_for(&base, &[]));
     let before = load(&model.join("model.safetensors"));
@@ -496,12 +508,12 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
             &["--tp", "2"]
         };
         run(nproc, &flags_for(&save, tp_flags));
-        for key in ["train/loss", "train/grad_norm", "train/entropy_loss", "train/kl_loss"] {
-            let (a, b) = (metric(&base, 1, key), metric(&save, 1, key));
-            let err = (a - b).abs() / a.abs().max(1e-3);
-            eprintln!("{label}: {key} {b:.9e} vs tp 1 {a:.9e} (error {err:.1e})");
-            assert!(err <= 1e-5, "{label}: {key} {b} vs {a} (error {err:e})");
-        }
+        assert_metrics_match(
+            label,
+            &base,
+            &save,
+            &["train/loss", "train/grad_norm", "train/entropy_loss", "train/kl_loss"],
+        );
         let (w, _) = compare(
             &format!("{label} weight updates"),
             Some(&before),
@@ -553,12 +565,12 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
         let mut f = vec!["--advantage-estimator", "ppo"];
         f.extend_from_slice(extra);
         run(2, &flags_for(&ppo_tp2, &f));
-        for key in ["train/grad_norm", "critic/grad_norm", "critic/value_loss"] {
-            let (a, b) = (metric(&ppo_base, 1, key), metric(&ppo_tp2, 1, key));
-            let err = (a - b).abs() / a.abs().max(1e-3);
-            eprintln!("{label}: {key} {b:.9e} vs tp 1 {a:.9e} (error {err:.1e})");
-            assert!(err <= 1e-5, "{label}: {key} {b} vs {a} (error {err:e})");
-        }
+        assert_metrics_match(
+            label,
+            &ppo_base,
+            &ppo_tp2,
+            &["train/grad_norm", "critic/grad_norm", "critic/value_loss"],
+        );
         for (what, file) in [
             ("policy", "hf/model.safetensors"),
             ("critic", "critic/model.safetensors"),
@@ -604,19 +616,10 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
 fn cp2_and_tp2_by_cp2_match_cp1_per_parameter() {
     let dir = tempfile::tempdir().unwrap();
     let (model, train) = task_of(TaskKind::Arith, &dir.path().join("task"));
-    let flags_for = |save: &Path, extra: &[&str]| -> Vec<String> {
-        let mut f = flags(&model, &train, save, 1, 1);
-        f.extend(extra.iter().map(|s| s.to_string()));
-        f
-    };
+    let flags_for = |save: &Path, extra: &[&str]| flags_with(&model, &train, save, extra);
     let before = load(&model.join("model.safetensors"));
     let check = |label: &str, base: &Path, save: &Path, keys: &[&str], files: &[&str]| {
-        for key in keys {
-            let (a, b) = (metric(base, 1, key), metric(save, 1, key));
-            let err = (a - b).abs() / a.abs().max(1e-3);
-            eprintln!("{label}: {key} {b:.9e} vs cp 1 {a:.9e} (error {err:.1e})");
-            assert!(err <= 1e-5, "{label}: {key} {b} vs {a} (error {err:e})");
-        }
+        assert_metrics_match(label, base, save, keys);
         for file in files {
             let (w, _) = compare(
                 &format!("{label} {file}"),
@@ -662,17 +665,15 @@ fn cp2_and_tp2_by_cp2_match_cp1_per_parameter() {
     compare("ppo cp 2 value head", None, &a, &b, |_| 1e-4);
 }
 
-/// What TP cannot do yet, or cannot do with this model, is a clear error.
+/// What TP and CP cannot do yet, or cannot do with this model, is a clear error.
 #[test]
 fn tp_refusals_name_the_reason() {
     let dir = tempfile::tempdir().unwrap();
-    let fail = |model: &Path, train: &Path, extra: &[&str]| -> String {
-        let mut f = flags(model, train, &dir.path().join("run"), 1, 1);
-        f.extend(["--tp", "2"].map(String::from));
-        f.extend(extra.iter().map(|s| s.to_string()));
+    let fail = |nproc: usize, model: &Path, train: &Path, extra: &[&str]| -> String {
+        let f = flags_with(model, train, &dir.path().join("run"), extra);
         let out = Command::new(bin())
             .arg("--nproc-per-node")
-            .arg("2")
+            .arg(nproc.to_string())
             .args(&f)
             .output()
             .unwrap();
@@ -680,34 +681,16 @@ fn tp_refusals_name_the_reason() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     let (model, train) = task(&dir.path().join("task"));
-    let e = fail(&model, &train, &[]);
+    let e = fail(2, &model, &train, &["--tp", "2"]);
     assert!(
         e.contains("model.embed_tokens.weight") && e.contains("(13) is not divisible by the tensor-parallel size 2"),
         "{e}"
     );
-    // TP 4 splits neither the arithmetic task's 14 ids nor its 2 KV heads: named, with both numbers.
+    // TP 4 does not divide the arithmetic task's 14 ids: named, with both numbers.
     let (model, train) = task_of(TaskKind::Arith, &dir.path().join("arith"));
-    let mut f = flags(&model, &train, &dir.path().join("run4"), 1, 1);
-    f.extend(["--tp", "4"].map(String::from));
-    let out = Command::new(bin())
-        .arg("--nproc-per-node")
-        .arg("4")
-        .args(&f)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let e = String::from_utf8_lossy(&out.stderr);
+    let e = fail(4, &model, &train, &["--tp", "4"]);
     assert!(e.contains("(14) is not divisible by the tensor-parallel size 4"), "{e}");
     // GSPO's per-sample mean spans the CP ranks' chunks: refused under CP.
-    let mut f = flags(&model, &train, &dir.path().join("gspo"), 1, 1);
-    f.extend(["--cp", "2", "--advantage-estimator", "gspo"].map(String::from));
-    let out = Command::new(bin())
-        .arg("--nproc-per-node")
-        .arg("2")
-        .args(&f)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let e = String::from_utf8_lossy(&out.stderr);
+    let e = fail(2, &model, &train, &["--cp", "2", "--advantage-estimator", "gspo"]);
     assert!(e.contains("gspo with --context-parallel-size 2"), "{e}");
 }
