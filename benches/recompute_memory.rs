@@ -11,34 +11,18 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device};
-use common::{num, LIVE, PEAK};
+use common::{config, num, random_batch, LIVE, PEAK};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
-use vime_qwen3::batch::PackedBatch;
-use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::model::{Qwen3, Recompute};
 
 fn main() -> Result<()> {
     let layers = num("--layers", 8);
     let tokens = num("--tokens", 2048);
     let seqs = num("--seqs", 4);
-    let cfg = Qwen3Config::from_json_str(&format!(
-        r#"{{"model_type": "qwen3", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
-        "num_hidden_layers": {layers}, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-        "tie_word_embeddings": true, "attention_bias": false, "torch_dtype": "float32", "hidden_act": "silu"}}"#
-    ))?;
+    let cfg = config(layers, 512, 1536, 64)?;
     let model = Qwen3::init_random(cfg.clone(), 0.02, 0, DType::F32, &Device::Cpu)?;
-    let mut rng = vime_kernels::testing::Rng::new(1);
-    let per = tokens / seqs;
-    let data: Vec<Vec<u32>> = (0..seqs)
-        .map(|_| {
-            (0..per)
-                .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
-                .collect()
-        })
-        .collect();
-    let batch = PackedBatch::from_sequences(&data)?;
+    let batch = random_batch(cfg.vocab_size, tokens, seqs)?;
     let params_bytes: usize = model.named_parameters().iter().map(|(_, v)| v.elem_count() * 4).sum();
     println!(
         "config: layers {layers}, hidden 512, heads 8/4 x 64, inter 1536, vocab 8192, f32, {} tokens in {seqs} sequences",

@@ -15,23 +15,17 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use common::{arg, num, LIVE, PEAK};
+use common::{arg, config, num, random_batch, LIVE, PEAK};
 use serde_json::{json, Value};
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
-use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::model::{Qwen3, Recompute, TpPlace};
 
 const MIB: f64 = (1 << 20) as f64;
 
 fn bench_config(layers: usize) -> Result<Qwen3Config> {
-    Qwen3Config::from_json_str(&format!(
-        r#"{{"model_type": "qwen3", "vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1536,
-        "num_hidden_layers": {layers}, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-        "tie_word_embeddings": true, "attention_bias": false, "torch_dtype": "float32", "hidden_act": "silu"}}"#
-    ))
+    config(layers, 512, 1536, 128)
 }
 
 /// Bytes the backward keeps per layer under `Recompute::None`, from `block.rs`'s `Saved`: the
@@ -88,16 +82,7 @@ fn rank_main(tp: usize, sp: bool, out: &str) -> Result<()> {
         model.set_logits_chunk_tokens(c.parse()?);
     }
     let params: usize = model.named_parameters().iter().map(|(_, v)| v.elem_count() * 4).sum();
-    let mut rng = vime_kernels::testing::Rng::new(1);
-    let per = tokens / seqs;
-    let data: Vec<Vec<u32>> = (0..seqs)
-        .map(|_| {
-            (0..per)
-                .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
-                .collect()
-        })
-        .collect();
-    let batch = PackedBatch::from_sequences(&data)?;
+    let batch = random_batch(cfg.vocab_size, tokens, seqs)?;
     let mut rows = Vec::new();
     for policy in [Recompute::None, Recompute::Full] {
         let base = LIVE.load(Relaxed);
@@ -175,6 +160,13 @@ fn main() -> Result<()> {
             let (peak, saved) = (max_over("peak"), max_over("saved"));
             let grads = row["grads"].as_u64().unwrap() as f64;
             let full = row["policy"] == "Full";
+            // The parameter formula the 4B / 8B estimate uses, against the shards measured here.
+            let measured = row["params"].as_u64().unwrap() as f64;
+            anyhow::ensure!(
+                measured == 4.0 * local_params(&cfg, tp),
+                "TP {tp}: the shards hold {measured} bytes, local_params says {}",
+                4.0 * local_params(&cfg, tp)
+            );
             let formula = act_formula(&cfg, tokens, tp, sp, full, 4);
             // What the formula leaves out, in [T, H] f32 units: must be >= 0 and at most one per
             // layer plus two (see the note printed below).

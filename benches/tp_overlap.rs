@@ -10,10 +10,8 @@ mod common;
 
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use common::{arg, num};
+use common::{arg, config, num, random_batch};
 use std::time::Instant;
-use vime_qwen3::batch::PackedBatch;
-use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::model::{Qwen3, Recompute, TpPlace};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -23,27 +21,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn rank_main(sp: bool, out: &str) -> Result<()> {
     let (layers, tokens, steps) = (num("--layers", 4), num("--tokens", 2048), num("--steps", 5));
-    let cfg = Qwen3Config::from_json_str(&format!(
-        r#"{{"model_type": "qwen3", "vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 3072,
-        "num_hidden_layers": {layers}, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-        "tie_word_embeddings": true, "attention_bias": false, "torch_dtype": "float32", "hidden_act": "silu"}}"#
-    ))?;
+    let cfg = config(layers, 1024, 3072, 128)?;
     let world = vime_dist::World::from_env(2, 1, Some(1), vime_dist::Backend::Cpu)?;
     let group = world.tp().clone();
     let rank = group.rank();
     let mut model =
         Qwen3::init_random(cfg.clone(), 0.02, 0, DType::F32, &Device::Cpu)?.shard(TpPlace { rank, size: 2 })?;
     model.set_sequence_parallel(sp);
-    let mut rng = vime_kernels::testing::Rng::new(1);
-    let data: Vec<Vec<u32>> = (0..4)
-        .map(|_| {
-            (0..tokens / 4)
-                .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
-                .collect()
-        })
-        .collect();
-    let batch = PackedBatch::from_sequences(&data)?;
+    let batch = random_batch(cfg.vocab_size, tokens, 4)?;
     let mut times = [Vec::new(), Vec::new()];
     let mut grads: [Option<std::collections::BTreeMap<String, Tensor>>; 2] = [None, None];
     for step in 0..=steps {
