@@ -28,7 +28,7 @@ status=0
 for c in $CONFIGS; do
   IFS=: read -r model seq tokens rec <<<"$c"
   "$BIN" bench-step --model "$model" --seq-len "$seq" --max-tokens-per-gpu "$tokens" --recompute "$rec" \
-    --steps "$STEPS" --warmup 2 --json "$JSON_DIR/bench-$model-$seq-$tokens-$rec.json" 2>&1 | tee -a "$LOG" || status=1
+    --steps "$STEPS" --warmup 2 --json "$JSON_DIR/bench-$model-$seq-$tokens-${rec//[:,]/_}.json" 2>&1 | tee -a "$LOG" || status=1
 done
 grep '^RESULT' "$LOG"
 exit $status

@@ -272,6 +272,49 @@ fn bad_flags_are_named_by_the_parser() {
     let err = run_error(f(&["--rollout-engine", "sglang"]));
     assert_mentions(&err, &["--rollout-engine \"sglang\""]);
 
+    let err = run_error(f(&["--recompute-method", "block"]));
+    assert_mentions(&err, &["--recompute-method", "need", "--recompute-granularity full"]);
+    let err = run_error(f(&["--recompute-granularity", "full", "--recompute-method", "blocks"]));
+    assert_mentions(&err, &["--recompute-method \"blocks\"", "uniform or block"]);
+    let err = run_error(f(&["--recompute-granularity", "full", "--recompute-num-layers", "0"]));
+    assert_mentions(&err, &["--recompute-num-layers must be at least 1"]);
+    // Megatron's recompute layouts become the model's policy.
+    let policy = |extra: &[&str]| {
+        TrainArgs::from_flags(f(extra))
+            .unwrap()
+            .recompute()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(policy(&[]), "none");
+    assert_eq!(policy(&["--recompute-granularity", "full"]), "full");
+    let slime = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ];
+    assert_eq!(policy(&slime), "full");
+    let block = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "30",
+    ];
+    assert_eq!(policy(&block), "block:30");
+    let keep = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-num-layers",
+        "2",
+        "--recompute-keep-attention",
+    ];
+    assert_eq!(policy(&keep), "uniform:2,keep-attention");
+
     // slime's explicit "no top-k" parses as a value, not as a flag.
     let args = TrainArgs::from_flags(f(&["--rollout-top-k", "-1"])).expect("--rollout-top-k -1");
     assert_eq!(args.rollout_top_k, -1);

@@ -213,6 +213,42 @@ impl Attention<'_> {
     }
 }
 
+/// What a block's forward keeps for its backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Nothing (a forward-only pass, or a layer that recomputes all of its forward).
+    Nothing,
+    /// Only the attention output and what its backward reads (on CUDA the log-sum-exp), so that
+    /// the recompute skips the attention kernel (and, under CP, the K/V gather).
+    Attention,
+    /// Every activation the backward reads ([`Saved`]).
+    All,
+}
+
+/// The attention output of one block's forward with what its backward needs (see
+/// [`Keep::Attention`]).
+pub(crate) struct KeptAttention {
+    attn: Tensor,
+    saved: AttentionSaved,
+}
+
+/// What a block's forward kept, by [`Keep`].
+pub(crate) enum Kept {
+    Nothing,
+    Attention(KeptAttention),
+    All(Box<Saved>),
+}
+
+impl Kept {
+    /// Everything the backward reads; an error if the forward kept less.
+    pub(crate) fn into_saved(self) -> Result<Saved> {
+        match self {
+            Kept::All(s) => Ok(*s),
+            _ => bail!("the block's forward kept less than its backward reads"),
+        }
+    }
+}
+
 /// The activations of one block's forward that its backward reads.
 pub(crate) struct Saved {
     positions: Arc<[u32]>,
@@ -375,17 +411,21 @@ impl Block {
     }
 
     /// The block's forward with no autograd graph, `x: [T, hidden]` -> `[T, hidden]` at RoPE
-    /// `positions: [T]`; with `save`, also what [`Self::backward`] needs. `tp`: the
+    /// `positions: [T]`, keeping what `keep` says for [`Self::backward`]. `reuse`: the attention
+    /// this block's earlier forward over the same input kept ([`Keep::Attention`]), used instead
+    /// of running attention again (the same values: the kernels are deterministic). `tp`: the
     /// tensor-parallel group whose rank holds these (local) weights.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         ctx: &BlockCtx,
         x: &Tensor,
         positions: &Arc<[u32]>,
         attention: &Attention<'_>,
-        save: bool,
+        keep: Keep,
+        reuse: Option<KeptAttention>,
         tp: &dyn Collectives,
-    ) -> Result<(Tensor, Option<Saved>)> {
+    ) -> Result<(Tensor, Kept)> {
         let (d, eps) = (ctx.head_dim, ctx.eps);
         // Under SP the saved norms are this rank's token slices (`h1_local`, `h2_local`); the
         // backward gathers them again, as Megatron does, instead of keeping [T, hidden] twice.
@@ -398,7 +438,10 @@ impl Block {
         let v = linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, positions, ctx.rope_theta)?;
         let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
-        let (attn, attn_saved) = attention.run(self.index, ctx, &qr, &kr, &v, save)?;
+        let (attn, attn_saved) = match reuse {
+            Some(k) => (k.attn, Some(k.saved)),
+            None => attention.run(self.index, ctx, &qr, &kr, &v, keep != Keep::Nothing)?,
+        };
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
         let o = sp_reduce(ctx, tp, linear(&a2, &self.o_proj, None)?)?;
@@ -415,8 +458,11 @@ impl Block {
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
         let y = (&x2 + sp_reduce(ctx, tp, linear(&act, &self.down_proj, None)?)?)?;
-        let Some(attn_saved) = attn_saved else {
-            return Ok((y, None));
+        let attn_saved = match (keep, attn_saved) {
+            (Keep::Nothing, _) => return Ok((y, Kept::Nothing)),
+            (Keep::Attention, Some(saved)) => return Ok((y, Kept::Attention(KeptAttention { attn, saved }))),
+            (_, Some(saved)) => saved,
+            (_, None) => bail!("layer {}: attention kept nothing for the backward", self.index),
         };
         let saved = Saved {
             positions: positions.clone(),
@@ -435,7 +481,7 @@ impl Block {
             up,
             act,
         };
-        Ok((y, Some(saved)))
+        Ok((y, Kept::All(Box::new(saved))))
     }
 
     /// The backward from `dy = dL/dy`: adds the parameter gradients to `grads` (by HF name; the
@@ -688,9 +734,9 @@ mod tp_tests {
         let cu: Arc<[u32]> = vec![0u32, 5, 12].into();
         let positions: Arc<[u32]> = (0..5u32).chain(0..7).collect::<Vec<_>>().into();
         let att = Attention::Packed { cu_seqlens: &cu };
-        let (y, saved) = block.forward(&ctx, x, &positions, &att, true, tp)?;
+        let (y, saved) = block.forward(&ctx, x, &positions, &att, Keep::All, None, tp)?;
         let mut grads = BTreeMap::new();
-        let dx = block.backward(&ctx, saved.unwrap(), dy, &mut grads, tp, &att)?;
+        let dx = block.backward(&ctx, saved.into_saved()?, dy, &mut grads, tp, &att)?;
         Ok((y, dx, grads))
     }
 

@@ -267,7 +267,8 @@ impl Qwen3 {
                     &x,
                     &positions,
                     &attention,
-                    false,
+                    crate::block::Keep::Nothing,
+                    None,
                     &vime_dist::SingleRank::default(),
                 )?
                 .0;

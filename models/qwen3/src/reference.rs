@@ -63,9 +63,9 @@ pub(crate) fn forward_backward(
     recompute: Recompute,
     head: Head<'_>,
 ) -> Result<(f64, Gradients)> {
-    let keep_graph = recompute == Recompute::None;
-    // Under `None`, `kept[l]` holds layer l's input leaf and its tracked output; under `Full`,
-    // `inputs[l]` holds only the layer's (detached) input.
+    let keep_graph = recompute == Recompute::None; // any other layout: per-layer recompute (the same values)
+                                                   // Under `None`, `kept[l]` holds layer l's input leaf and its tracked output; under `Full`,
+                                                   // `inputs[l]` holds only the layer's (detached) input.
     let mut inputs: Vec<Tensor> = Vec::with_capacity(m.blocks.len());
     let mut kept: Vec<Option<(Var, Tensor)>> = Vec::with_capacity(m.blocks.len());
     let mut x = m.embed_tokens(batch, false)?;

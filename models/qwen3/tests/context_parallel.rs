@@ -130,7 +130,9 @@ fn reference(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>) -> Out {
 fn check(cfg: &Qwen3Config, global: &BTreeMap<String, Tensor>, tp: usize, cp: usize, sp: bool) {
     let (lp1, ent1, l1, g1) = reference(cfg, global);
     let b = batch();
-    for recompute in [Recompute::None, Recompute::Full] {
+    // Kept attention skips the K/V gather in the recompute; the backward still gathers.
+    let keep_attention: Recompute = "full,keep-attention".parse().unwrap();
+    for recompute in [Recompute::None, Recompute::Full, keep_attention] {
         let runs = vime_dist::cpu::run_threads_grid(tp, cp, |g, tpg, cpg| {
             let mut m = shards(cfg, global, tpg.rank(), tp);
             m.set_sequence_parallel(sp);

@@ -124,9 +124,23 @@ pub struct TrainArgs {
     pub max_tokens_per_gpu: Option<usize>,
     #[arg(long, default_value_t = 1)]
     pub micro_batch_size: usize,
-    /// Megatron's activation recompute: `full` re-runs each layer's forward in its backward.
+    /// Megatron's activation recompute: `full` keeps only layer inputs and re-runs the forward
+    /// in the backward (which layers: `--recompute-method`, `--recompute-num-layers`).
     #[arg(long)]
     pub recompute_granularity: Option<String>,
+    /// `uniform` (default): the layers in groups of `--recompute-num-layers`, each group keeping
+    /// only its input; `block`: only the first `--recompute-num-layers` layers recompute, the
+    /// rest keep everything (faster, more memory).
+    #[arg(long)]
+    pub recompute_method: Option<String>,
+    /// See `--recompute-method` (default 1).
+    #[arg(long)]
+    pub recompute_num_layers: Option<usize>,
+    /// vime: recomputed layers keep their attention output (and its log-sum-exp), so the
+    /// recompute skips the attention kernel: at long sequences a third of the attention work, for
+    /// `tokens x heads x head_dim` bf16 per layer.
+    #[arg(long)]
+    pub recompute_keep_attention: bool,
 
     // ---- parallelism ---------------------------------------------------------------------
     #[command(flatten)]
@@ -355,6 +369,38 @@ impl TrainArgs {
     }
 
     /// Every check that can run before anything is loaded; each error names the flag.
+    /// The recompute policy of `--recompute-granularity`, `--recompute-method`,
+    /// `--recompute-num-layers` and `--recompute-keep-attention`.
+    pub fn recompute(&self) -> Result<vime_qwen3::model::Recompute> {
+        use vime_qwen3::model::{Recompute, RecomputeLayers, RecomputeMethod};
+        let layers_given = self.recompute_method.is_some() || self.recompute_num_layers.is_some();
+        match self.recompute_granularity.as_deref() {
+            None => {
+                ensure!(
+                    !layers_given && !self.recompute_keep_attention,
+                    "--recompute-method, --recompute-num-layers and --recompute-keep-attention need \
+                     --recompute-granularity full"
+                );
+                Ok(Recompute::None)
+            }
+            Some("full") => {
+                let method = match self.recompute_method.as_deref() {
+                    None | Some("uniform") => RecomputeMethod::Uniform,
+                    Some("block") => RecomputeMethod::Block,
+                    Some(other) => bail!("--recompute-method {other:?}: expected uniform or block"),
+                };
+                let num_layers = self.recompute_num_layers.unwrap_or(1);
+                ensure!(num_layers > 0, "--recompute-num-layers must be at least 1");
+                Ok(Recompute::from_layers(RecomputeLayers {
+                    method,
+                    num_layers,
+                    keep_attention: self.recompute_keep_attention,
+                }))
+            }
+            Some(other) => bail!("--recompute-granularity {other:?} is not supported (use full, or leave it out)"),
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         self.rl.validate()?;
         self.parallel.validate()?;
@@ -414,10 +460,7 @@ impl TrainArgs {
         if let Some(m) = self.max_tokens_per_gpu {
             ensure!(m > 0, "--max-tokens-per-gpu must be positive");
         }
-        match self.recompute_granularity.as_deref() {
-            None | Some("full") => {}
-            Some(other) => bail!("--recompute-granularity {other:?} is not supported (use full, or leave it out)"),
-        }
+        self.recompute()?;
         ensure!(
             self.sync.update_weight_buffer_size > 0,
             "--update-weight-buffer-size must be positive"

@@ -373,13 +373,10 @@ impl<'a> Run<'a> {
                 micro_batch_size: args.micro_batch_size,
             },
         };
-        let recompute = match args.recompute_granularity.as_deref() {
-            Some("full") => Recompute::Full,
-            _ => Recompute::None,
-        };
+        let recompute = args.recompute()?;
         ui.log(&format!(
             "policy: {} parameters, {} layers, hidden {}, vocab {} ({:?} on {:?}); {} prompts in {}; \
-             {} samples per rollout, {} optimizer step(s) per rollout",
+             {} samples per rollout, {} optimizer step(s) per rollout, recompute {}",
             cfg.num_parameters(),
             cfg.num_hidden_layers,
             cfg.hidden_size,
@@ -389,7 +386,8 @@ impl<'a> Run<'a> {
             dataset.len(),
             dataset.path().display(),
             args.rollout_samples(),
-            args.steps_per_rollout()
+            args.steps_per_rollout(),
+            recompute
         ));
         Ok(Run {
             args,
