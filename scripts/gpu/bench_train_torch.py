@@ -100,13 +100,14 @@ SEED, DATA_SEED = 1234, 99
 def flops_per_token(m, seq_len):
     """vime's `flops_per_token` (trainer/src/bench.rs), term for term: 6 x every matmul weight
     (q, k, v, o, gate, up, down per layer, and the LM head) + the causal attention term
-    6 x layers x (s + 1) / 2 keys x heads x head_dim."""
+    12 x layers x (s + 1) / 2 keys x heads x head_dim (QK^T and PV, 2 flops per multiply-add,
+    x3 for forward and backward)."""
     h, i, l = float(m["hidden"]), float(m["inter"]), float(m["layers"])
     qh, kvh, d = float(m["heads"]), float(m["kv"]), float(m["head_dim"])
     per_layer = h * qh * d + 2.0 * h * kvh * d + qh * d * h + 3.0 * h * i
     matmul = l * per_layer + h * float(m["vocab"])
     keys = (seq_len + 1.0) / 2.0
-    return 6.0 * matmul + 6.0 * l * keys * qh * d
+    return 6.0 * matmul + 12.0 * l * keys * qh * d
 
 
 def median(v):

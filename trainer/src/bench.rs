@@ -9,7 +9,7 @@
 //! Printed: median step time over `--steps` after `--warmup`, split into forward+backward and
 //! optimizer; tokens/s; model TFLOP/s and MFU against 989 (H200 dense bf16 spec) and 790 (the
 //! measured matmul ceiling) TFLOP/s; the peak device memory in use. FLOPs per token are counted
-//! as `6 * N_matmul + 6 * L * s_attn * H * d_head` where `N_matmul` counts every matmul weight
+//! as `6 * N_matmul + 12 * L * s_attn * H * d_head` where `N_matmul` counts every matmul weight
 //! (q, k, v, o, gate, up, down per layer, and the LM head) and `s_attn` is the mean number of
 //! keys a token attends to (causal: (s + 1) / 2 per sequence of s): the attention term is
 //! `2 (QK^T and PV) x 2 flops x (s+1)/2 keys x H x d_head` forward, x3 for forward + backward.
@@ -50,7 +50,7 @@ pub struct BenchArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    /// none or full.
+    /// none, full, uniform:N or block:N, optionally with ,keep-attention (`full,keep-attention`).
     #[arg(long, default_value = "full")]
     pub recompute: String,
     #[arg(long, default_value = "cuda")]
@@ -135,7 +135,9 @@ pub fn flops_per_token(cfg: &Qwen3Config, seq_len: usize) -> f64 {
     let per_layer = h * qh * d + 2.0 * h * kvh * d + qh * d * h + 3.0 * h * i;
     let matmul = l * per_layer + h * cfg.vocab_size as f64;
     let keys = (seq_len as f64 + 1.0) / 2.0;
-    6.0 * matmul + 6.0 * l * keys * qh * d
+    // QK^T and PV: 2 matmuls x 2 flops per multiply-add x keys x d per head, forward; x3 with
+    // the backward.
+    6.0 * matmul + 12.0 * l * keys * qh * d
 }
 
 /// A peak-memory sampler for a CUDA device (cuMemGetInfo every 2 ms while alive).
@@ -285,7 +287,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     let mut opt = DistributedAdamW::new(model.named_parameters(), &opt_args, &dp)?;
     device.synchronize()?;
     eprintln!(
-        "bench-step: {} ({:.3}B params), {dtype:?}, recompute {:?}, {} x {} tokens per step, built in {:.1}s",
+        "bench-step: {} ({:.3}B params), {dtype:?}, recompute {}, {} x {} tokens per step, built in {:.1}s",
         args.model,
         n_params as f64 / 1e9,
         recompute,
@@ -405,17 +407,28 @@ mod tests {
     #[test]
     fn flops_per_token_of_qwen3_4b_counts_every_matmul_and_causal_attention() {
         let cfg = config_of("qwen3-4b").unwrap();
-        // Per layer: q 2560x4096, k and v 2560x1024 each, o 4096x2560, gate/up/down 2560x9728.
-        let per_layer = 2560.0 * 4096.0 + 2.0 * 2560.0 * 1024.0 + 4096.0 * 2560.0 + 3.0 * 2560.0 * 9728.0;
-        let matmul = 36.0 * per_layer + 2560.0 * 151936.0; // + the (tied) LM head
-                                                           // s = 4096: each token sees 2048.5 keys on average; QK^T and PV, 2 flops per MAC, x3.
-        let attn = 6.0 * 36.0 * 2048.5 * 32.0 * 128.0;
-        let want = 6.0 * matmul + attn;
-        let got = flops_per_token(&cfg, 4096);
-        assert!((got - want).abs() / want < 1e-12, "{got} vs {want}");
+        // Counted from the shapes, one token at a time: the forward of token i (0-based) of a
+        // causal sequence of s does, per layer, a [1, in] x [in, out] product for each weight
+        // (q 2560->4096, k and v 2560->1024, o 4096->2560, gate/up 2560->9728, down 9728->2560)
+        // and, per query head, q.K^T over its i+1 keys ([1,128] x [128,i+1]) and P.V
+        // ([1,i+1] x [i+1,128]); the LM head is 2560->151936. Each multiply-add is 2 FLOPs and
+        // the backward does twice the forward's (input and weight gradients).
+        let macs_weights: f64 = 36.0
+            * (2560.0 * 4096.0 + 2.0 * 2560.0 * 1024.0 + 4096.0 * 2560.0 + 3.0 * 2560.0 * 9728.0)
+            + 2560.0 * 151936.0;
+        for s in [1usize, 7, 4096, 32768] {
+            let fwd: f64 = (0..s)
+                .map(|i| 2.0 * macs_weights + 36.0 * 32.0 * 2.0 * (2.0 * 128.0 * (i + 1) as f64))
+                .sum();
+            let want = 3.0 * fwd / s as f64;
+            let got = flops_per_token(&cfg, s);
+            assert!((got - want).abs() / want < 1e-9, "s={s}: {got} vs {want}");
+        }
+        // The anchor: Qwen3-4B at s = 4096 is 27.76 GFLOP per token.
+        assert!((flops_per_token(&cfg, 4096) / 1e9 - 27.76).abs() < 0.01);
         // Qwen3-4B: 3.63 B matmul weights in the layers plus the 0.39 B LM head (tied to the
         // embedding, which is a lookup and not counted again): 4.02 B.
-        assert!((matmul / 1e9 - 4.022).abs() < 0.001, "{}", matmul / 1e9);
+        assert!((macs_weights / 1e9 - 4.022).abs() < 0.001, "{}", macs_weights / 1e9);
     }
 
     #[test]
