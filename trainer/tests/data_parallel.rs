@@ -608,7 +608,7 @@ fn tp2_and_tp2_dp2_match_tp1_per_parameter() {
 
 /// One GRPO step (KL term on, so the reference scores under CP too) at CP = 2 and TP = 2 x CP = 2
 /// (4 processes), and one PPO step at CP = 2 (the critic's values and value loss under CP), against
-/// CP = 1 on the arithmetic task's model. Every sequence is cut into 2 x cp zigzag chunks (padded
+/// CP = 1 on the arithmetic task's model (CP 2 with full recompute keeping attention). Every sequence is cut into 2 x cp zigzag chunks (padded
 /// to a multiple of 2 cp, x 2 under SP); scoring passes gather the chunks back, losses and metrics
 /// and gradients are summed over CP. `--max-tokens-per-gpu 40` counts a rank's share, so CP 2
 /// packs micro-batches of up to 80 tokens, and the sums still match. Bounds as for TP.
@@ -635,7 +635,18 @@ fn cp2_and_tp2_by_cp2_match_cp1_per_parameter() {
     run(1, &flags_for(&base, &[]));
     let grpo = ["train/loss", "train/grad_norm", "train/entropy_loss", "train/kl_loss"];
     for (nproc, label, extra) in [
-        (2usize, "cp 2", &["--cp", "2"][..]),
+        // With recompute whose layers keep their attention (the recompute skips the K/V gather).
+        (
+            2usize,
+            "cp 2",
+            &[
+                "--cp",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-keep-attention",
+            ][..],
+        ),
         (4, "tp 2 x cp 2", &["--tp", "2", "--cp", "2"][..]),
         (
             4,
