@@ -1049,6 +1049,14 @@ pub fn pick_free_port() -> Result<u16> {
 
 impl VllmLaunchConfig {
     /// The argument list of engine `i` (after `program`).
+    /// `CUDA_VISIBLE_DEVICES` of engine `i`: its `tensor_parallel_size` GPUs of `gpus`, in order
+    /// (`None` when no GPUs are assigned, or too few: `launch` refuses that first).
+    pub fn visible_devices(&self, i: usize) -> Option<String> {
+        let tp = self.tensor_parallel_size;
+        let mine = self.gpus.as_ref()?.get(i * tp..(i + 1) * tp)?;
+        Some(mine.iter().map(|g| g.to_string()).collect::<Vec<_>>().join(","))
+    }
+
     pub fn args(&self, port: u16) -> Vec<String> {
         let mut a = self.program_args.clone();
         a.push(self.model.clone());
@@ -1105,10 +1113,8 @@ impl VllmLauncher {
                 .stdin(Stdio::null())
                 .stdout(out)
                 .stderr(err);
-            if let Some(gpus) = &cfg.gpus {
-                let mine = &gpus[i * cfg.tensor_parallel_size..(i + 1) * cfg.tensor_parallel_size];
-                let list: Vec<String> = mine.iter().map(|g| g.to_string()).collect();
-                cmd.env("CUDA_VISIBLE_DEVICES", list.join(","));
+            if let Some(list) = cfg.visible_devices(i) {
+                cmd.env("CUDA_VISIBLE_DEVICES", list);
             }
             {
                 use std::os::unix::process::CommandExt;
@@ -1294,6 +1300,19 @@ pub struct VllmArgs {
     /// Seconds to wait for launched engines' /health.
     #[arg(long, default_value_t = 900.0)]
     pub vllm_health_timeout: f64,
+    /// slime's flag: passed to launched engines as `--max-num-seqs`.
+    #[arg(long)]
+    pub vllm_max_num_seqs: Option<usize>,
+    /// slime's flag: passed to launched engines as `--max-num-batched-tokens`.
+    #[arg(long)]
+    pub vllm_max_num_batched_tokens: Option<usize>,
+    /// slime's flag: passed to launched engines as `--enforce-eager` (no CUDA graphs).
+    #[arg(long)]
+    pub vllm_enforce_eager: bool,
+    /// GPUs for the launched engines, `--rollout-num-gpus-per-engine` each (set by the trainer's
+    /// placement).
+    #[arg(skip)]
+    pub vllm_gpus: Option<Vec<usize>>,
 }
 
 impl VllmArgs {
@@ -1312,8 +1331,25 @@ impl VllmArgs {
             worker_extension_cls: self.vllm_worker_extension_cls.clone(),
             log_dir: self.vllm_log_dir.clone(),
             health_timeout: Duration::from_secs_f64(self.vllm_health_timeout),
+            gpus: self.vllm_gpus.clone(),
+            extra_args: self.engine_flags(),
             ..Default::default()
         }
+    }
+
+    /// vLLM flags of slime's engine options.
+    pub fn engine_flags(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(n) = self.vllm_max_num_seqs {
+            v.extend(["--max-num-seqs".to_string(), n.to_string()]);
+        }
+        if let Some(n) = self.vllm_max_num_batched_tokens {
+            v.extend(["--max-num-batched-tokens".to_string(), n.to_string()]);
+        }
+        if self.vllm_enforce_eager {
+            v.push("--enforce-eager".to_string());
+        }
+        v
     }
 
     pub fn client_config(&self, engine_urls: Vec<String>) -> VllmClientConfig {
@@ -1392,5 +1428,53 @@ impl vime_sync::EngineControl for VllmClient {
             }
             serde_json::from_str(&text).map_err(|e| anyhow!("{what}: the answer is not JSON ({e}): {text:.200}"))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        vllm: VllmArgs,
+    }
+
+    /// slime's engine flags reach the launched engines' command lines, and the placement's GPUs
+    /// are split among the engines, `--rollout-num-gpus-per-engine` each.
+    #[test]
+    fn engine_flags_and_gpus_reach_the_launch() {
+        let mut a = Cli::parse_from([
+            "x",
+            "--rollout-num-gpus-per-engine",
+            "2",
+            "--vllm-max-num-seqs",
+            "64",
+            "--vllm-max-num-batched-tokens",
+            "8192",
+            "--vllm-enforce-eager",
+        ])
+        .vllm;
+        a.vllm_num_engines = 3;
+        a.vllm_gpus = Some(vec![2, 3, 4, 5, 6, 7]);
+        let cfg = a.launch_config("/m");
+        let args = cfg.args(8000);
+        for pair in [
+            ["--max-num-seqs", "64"],
+            ["--max-num-batched-tokens", "8192"],
+            ["--tensor-parallel-size", "2"],
+        ] {
+            assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+        }
+        assert!(args.contains(&"--enforce-eager".to_string()), "{args:?}");
+        let visible: Vec<Option<String>> = (0..4).map(|i| cfg.visible_devices(i)).collect();
+        assert_eq!(
+            visible,
+            [Some("2,3".into()), Some("4,5".into()), Some("6,7".into()), None]
+        );
+        a.vllm_gpus = None;
+        assert_eq!(a.launch_config("/m").visible_devices(0), None);
     }
 }

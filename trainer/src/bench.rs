@@ -88,28 +88,10 @@ pub struct BenchArgs {
 /// `benches/results/2026-11-30-bench-train-h200-after.md`).
 const COMPARE_BOUND: f64 = 2e-2;
 
-/// Sizes of Qwen3 releases (their config.json) that differ from the shared defaults.
-fn preset(name: &str) -> Option<(usize, usize, usize, usize, usize, bool)> {
-    // (hidden, intermediate, layers, heads, kv_heads, tied embeddings)
-    match name {
-        "qwen3-0.6b" => Some((1024, 3072, 28, 16, 8, true)),
-        "qwen3-1.7b" => Some((2048, 6144, 28, 16, 8, true)),
-        "qwen3-4b" => Some((2560, 9728, 36, 32, 8, true)),
-        "qwen3-8b" => Some((4096, 12288, 36, 32, 8, false)),
-        _ => None,
-    }
-}
-
+/// A preset's config (`qwen3-4b`, `Qwen/Qwen3-4B`, ...) or an HF config.json file.
 pub fn config_of(model: &str) -> Result<Qwen3Config> {
-    if let Some((h, i, l, a, kv, tied)) = preset(model) {
-        let json = serde_json::json!({
-            "model_type": "qwen3", "vocab_size": 151936, "hidden_size": h, "intermediate_size": i,
-            "num_hidden_layers": l, "num_attention_heads": a, "num_key_value_heads": kv, "head_dim": 128,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
-            "tie_word_embeddings": tied, "attention_bias": false, "hidden_act": "silu",
-            "use_sliding_window": false, "max_window_layers": l, "torch_dtype": "bfloat16"
-        });
-        return Qwen3Config::from_json_str(&json.to_string());
+    if let Some(p) = vime_qwen3::config::Preset::find(model) {
+        return Ok(p.config());
     }
     let path = PathBuf::from(model);
     if path.is_file() {
@@ -183,16 +165,21 @@ impl MemSampler {
     }
 }
 
+/// A Qwen3 of `cfg`'s shape with N(0, 0.02) weights and unit norm gains, the same in every
+/// process (seeded: cuRAND on CUDA, vime's host generator on the CPU).
 pub fn random_model(cfg: Qwen3Config, dtype: DType, device: &Device) -> Result<Qwen3> {
     if device.is_cuda() {
         device.set_seed(1234)?;
     }
+    let mut host = vime_kernels::testing::Rng::new(1234);
     let mut tensors = BTreeMap::new();
     for spec in param_specs(&cfg) {
         let t = if spec.shape.len() == 1 {
             Tensor::ones(spec.shape.as_slice(), dtype, device)?
-        } else {
+        } else if device.is_cuda() {
             Tensor::randn(0f32, 0.02, spec.shape.as_slice(), device)?.to_dtype(dtype)?
+        } else {
+            host.randn(&spec.shape, 0.02, dtype, device)?
         };
         tensors.insert(spec.name, t);
     }

@@ -274,6 +274,53 @@ pub fn hf_dtype_name(dtype: DType) -> Result<&'static str> {
     }
 }
 
+/// A Qwen3 dense release vime knows by name (`--model`): its preset name and its Hugging Face id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub hf_id: &'static str,
+}
+
+/// The releases of [`Qwen3Config::preset`], with their Hugging Face ids.
+pub const PRESETS: &[Preset] = &[
+    Preset {
+        name: "qwen3-0.6b",
+        hf_id: "Qwen/Qwen3-0.6B",
+    },
+    Preset {
+        name: "qwen3-1.7b",
+        hf_id: "Qwen/Qwen3-1.7B",
+    },
+    Preset {
+        name: "qwen3-4b",
+        hf_id: "Qwen/Qwen3-4B",
+    },
+    Preset {
+        name: "qwen3-8b",
+        hf_id: "Qwen/Qwen3-8B",
+    },
+];
+
+impl Preset {
+    /// The preset named `name`: vime's name or the HF id, in any case (`qwen3-4b`,
+    /// `Qwen/Qwen3-4B`, `Qwen3-4B`).
+    pub fn find(name: &str) -> Option<Preset> {
+        let n = name.to_ascii_lowercase();
+        PRESETS
+            .iter()
+            .find(|p| {
+                let id = p.hf_id.to_ascii_lowercase();
+                n == p.name || n == id || Some(n.as_str()) == id.split('/').nth(1)
+            })
+            .copied()
+    }
+
+    /// The release's config.json ([`Qwen3Config::preset`]).
+    pub fn config(&self) -> Qwen3Config {
+        Qwen3Config::preset(self.name).expect("every entry of PRESETS is a preset")
+    }
+}
+
 impl Qwen3Config {
     /// Parses a `config.json` text (4.x or 5.x spelling) and validates it.
     pub fn from_json_str(s: &str) -> Result<Self> {

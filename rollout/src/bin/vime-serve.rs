@@ -68,6 +68,9 @@ struct Args {
     /// vLLM compatibility: accepted, no effect (sleep endpoints are always on).
     #[arg(long)]
     enable_sleep_mode: bool,
+    /// vLLM compatibility: accepted, no effect (vime-serve captures no CUDA graphs).
+    #[arg(long)]
+    enforce_eager: bool,
     /// vLLM compatibility: accepted, no effect (vime-serve answers vime's worker-extension
     /// methods over /collective_rpc itself).
     #[arg(long)]

@@ -6,7 +6,7 @@
 //! - `vime-train check-engines --vllm-url URL ...`: check running rollout engines before a run.
 //! - `vime-train make-task arith ...`: write the synthetic arithmetic task of the CPU demo.
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use std::path::PathBuf;
 use vime_qwen3::model::Qwen3;
 use vime_trainer::device::{parse_device, parse_dtype};
@@ -17,7 +17,8 @@ use vime_trainer::train::TrainArgs;
     name = "vime-train",
     version,
     about = "Native Rust RL post-training for Qwen3",
-    args_conflicts_with_subcommands = true
+    args_conflicts_with_subcommands = true,
+    args_override_self = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -84,10 +85,34 @@ enum Cmd {
 }
 
 fn main() {
-    let cli = Cli::parse();
-    // `--nproc-per-node N` in a process that is not itself a rank: start N ranks of the same
-    // command line (without that flag) and wait for them.
-    if let (None, Some(n)) = (&cli.cmd, cli.train.parallel.nproc_per_node) {
+    // A training command line first loses slime's and Megatron's flags that are not options of
+    // vime's own (`compat`: notices, model-shape checks, refusals); subcommands parse as they are.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let subcommand = argv
+        .get(1)
+        .and_then(|a| a.to_str())
+        .is_some_and(|a| Cli::command().get_subcommands().any(|s| s.get_name() == a));
+    let (argv, compat) = if subcommand {
+        (argv, Default::default())
+    } else {
+        match vime_trainer::train::compat::split(argv) {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("vime-train: error: {e:#}");
+                std::process::exit(2);
+            }
+        }
+    };
+    let mut cli = Cli::parse_from(argv);
+    cli.train.compat = compat;
+    // `--nproc-per-node N` (or slime's `--actor-num-gpus-per-node N`) in a process that is not
+    // itself a rank: start N ranks of the same command line and wait for them.
+    let nproc = cli
+        .train
+        .parallel
+        .nproc_per_node
+        .or(cli.train.placement.actor_num_gpus_per_node.filter(|&n| n > 1));
+    if let (None, Some(n)) = (&cli.cmd, nproc) {
         // (A process that already has torchrun's environment is a rank: it runs.)
         if std::env::var_os("RANK").is_none() {
             let code = match launch(n) {

@@ -40,11 +40,24 @@ pub struct TrainArgs {
     /// Save every N rollouts (and after the last one).
     #[arg(long)]
     pub save_interval: Option<u64>,
-    /// vime: compute dtype of the policy, critic and reference (f32, bf16, f16).
-    #[arg(long, default_value = "f32")]
+    /// vime: a Qwen3 dense release by name (qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, or the HF
+    /// id, e.g. Qwen/Qwen3-4B). Without --hf-checkpoint it is found in the local Hugging Face cache
+    /// ($HF_HUB_CACHE, $HF_HOME/hub or ~/.cache/huggingface/hub; never downloaded); with one, the
+    /// checkpoint must have its shape.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// vime: `hf` (the checkpoint's weights) or `random` (the --model preset's shape with random
+    /// weights, N(0, 0.02); the tokenizer still comes from --hf-checkpoint or the cache), for
+    /// benchmarks and tests.
+    #[arg(long, default_value = "hf")]
+    pub init: String,
+    /// vime: compute dtype of the policy, critic and reference: auto (bf16 on CUDA, f32 on the
+    /// CPU), f32, bf16, f16.
+    #[arg(long, default_value = "auto")]
     pub dtype: String,
-    /// vime: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    /// vime: auto (CUDA when this build has it and a GPU is present, else the CPU), cpu, cuda or
+    /// cuda:N.
+    #[arg(long, default_value = "auto")]
     pub device: String,
     /// Megatron's flag: the CUDA attention kernel, auto (cuDNN fused attention in a build with
     /// the cudnn feature, else vime's flash kernel), fused (cuDNN) or flash.
@@ -86,12 +99,21 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
     pub rollout_top_k: i64,
     /// Extra stop token ids (the tokenizer's EOS always stops).
-    #[arg(long, num_args = 1..)]
+    #[arg(long, num_args = 1.., action = clap::ArgAction::Set)]
     pub rollout_stop_token_ids: Vec<u32>,
     /// vime: `embedded` (the built-in engine, in this process) or `vllm` (HTTP engines: vLLM or
     /// vime-serve, see `--vllm-url`).
     #[arg(long, default_value = "embedded")]
     pub rollout_engine: String,
+    /// slime's flag: `vllm` is `--rollout-engine vllm` (engines at --vllm-url, or launched on the
+    /// rollout GPUs of the placement); `sglang` is refused (vime does not drive SGLang).
+    #[arg(long)]
+    pub rollout_backend: Option<String>,
+    /// slime's flag: top-k of evaluation sampling; default --rollout-top-k.
+    #[arg(long, allow_negative_numbers = true)]
+    pub eval_top_k: Option<i64>,
+    #[command(flatten)]
+    pub placement: PlacementArgs,
     #[command(flatten)]
     pub vllm: VllmArgs,
     #[command(flatten)]
@@ -124,6 +146,9 @@ pub struct TrainArgs {
     pub max_tokens_per_gpu: Option<usize>,
     #[arg(long, default_value_t = 1)]
     pub micro_batch_size: usize,
+    /// Megatron's flag: only `adam` (AdamW: Adam with decoupled weight decay, as Megatron's `adam`).
+    #[arg(long, default_value = "adam")]
+    pub optimizer: String,
     /// Megatron's activation recompute: `full` keeps only layer inputs and re-runs the forward
     /// in the backward (which layers: `--recompute-method`, `--recompute-num-layers`).
     #[arg(long)]
@@ -151,7 +176,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub eval_interval: Option<u64>,
     /// Eval sets, as slime: `NAME PATH` pairs (a lone PATH is named after its file stem).
-    #[arg(long, num_args = 1..)]
+    #[arg(long, num_args = 1.., action = clap::ArgAction::Set)]
     pub eval_prompt_data: Vec<String>,
     #[arg(long, default_value_t = 1)]
     pub n_samples_per_eval_prompt: usize,
@@ -180,6 +205,25 @@ pub struct TrainArgs {
     /// vime, for tests: stop (as if killed) after this many rollouts of this process.
     #[arg(long, hide = true)]
     pub exit_after_rollouts: Option<u64>,
+    /// The slime / Megatron flags `compat::split` took out of the command line.
+    #[arg(skip)]
+    pub compat: super::compat::CompatSeen,
+}
+
+/// slime's placement flags: which GPUs train and which serve (see `super::placement`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlacementArgs {
+    /// slime's flag: nodes that train. vime runs on one node; more is refused.
+    #[arg(long, default_value_t = 1)]
+    pub actor_num_nodes: usize,
+    /// slime's flag: GPUs per node that train (the ranks `--nproc-per-node` starts; default: the
+    /// world vime was started with).
+    #[arg(long)]
+    pub actor_num_gpus_per_node: Option<usize>,
+    /// slime's flag: GPUs that serve rollouts (engines of --rollout-num-gpus-per-engine each).
+    /// With --colocate they are the training GPUs; otherwise the GPUs after them.
+    #[arg(long)]
+    pub rollout_num_gpus: Option<usize>,
 }
 
 /// How new weights reach the rollout engines after each step (slime's flag names where slime has
@@ -189,7 +233,7 @@ pub struct SyncArgs {
     /// slime: bytes per weight-sync bucket (default 512 MiB).
     #[arg(long, default_value_t = vime_sync::DEFAULT_BUFFER_BYTES)]
     pub update_weight_buffer_size: usize,
-    /// auto (ipc with --colocate, nccl for a policy on a GPU, disk on the CPU), ipc, nccl, cpu
+    /// auto (ipc with --colocate on a GPU, nccl for a policy on a GPU, disk on the CPU), ipc, nccl, cpu
     /// (CPU broadcast, for engines on the CPU) or disk (an HF folder the engines reload).
     #[arg(long, default_value = "auto")]
     pub update_weight_transport: String,
@@ -225,8 +269,8 @@ pub struct ParallelArgs {
     #[arg(long)]
     pub nproc_per_node: Option<usize>,
     /// Megatron's flag (`--tp`): tensor-parallel size (Megatron's column/row-parallel layers and
-    /// a vocab-parallel embedding and LM head). For now with GRPO-style policy losses and SFT;
-    /// the KL reference model and the PPO critic under TP are refused.
+    /// a vocab-parallel embedding and LM head); the KL reference model and the PPO critic are
+    /// sharded the same way.
     #[arg(long = "tensor-model-parallel-size", visible_alias = "tp", default_value_t = 1)]
     pub tensor_model_parallel_size: usize,
     /// Megatron's flag: sequence parallelism with TP (the residual stream and the norms hold each TP
@@ -300,11 +344,12 @@ pub struct EvalSet {
     pub path: PathBuf,
 }
 
+/// `vime-train`'s training command line alone (the binary adds its subcommands).
 #[derive(clap::Parser)]
-#[command(name = "vime-train")]
-struct Cli {
+#[command(name = "vime-train", args_override_self = true)]
+pub struct TrainCli {
     #[command(flatten)]
-    args: TrainArgs,
+    pub args: TrainArgs,
 }
 
 impl TrainArgs {
@@ -317,7 +362,10 @@ impl TrainArgs {
     {
         use clap::Parser;
         let argv = std::iter::once(std::ffi::OsString::from("vime-train")).chain(flags.into_iter().map(Into::into));
-        Ok(Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?.args)
+        let (rest, compat) = super::compat::split(argv.collect())?;
+        let mut args = TrainCli::try_parse_from(rest).map_err(|e| anyhow::anyhow!("{e}"))?.args;
+        args.compat = compat;
+        Ok(args)
     }
 
     /// Samples per rollout.
@@ -476,12 +524,6 @@ impl TrainArgs {
         crate::train::engine::resolve_transport(&self.sync, false)?;
         if self.sync.update_weight_protocol != "auto" {
             self.sync.update_weight_protocol.parse::<vime_sync::Protocol>()?;
-        }
-        if self.sync.colocate {
-            ensure!(
-                self.rollout_engine == "vllm",
-                "--colocate is for HTTP engines on the trainer's GPU (--rollout-engine vllm); the built-in engine always shares the process"
-            );
         }
         match self.rollout_engine.as_str() {
             "embedded" => {}

@@ -75,7 +75,8 @@ pub fn sync_plan(policy: &Qwen3, dtype: DType, buffer_bytes: usize, rule: Bucket
 /// The transport `--update-weight-transport` names, `auto` resolved.
 pub fn resolve_transport(args: &SyncArgs, on_gpu: bool) -> Result<&'static str> {
     Ok(match args.update_weight_transport.as_str() {
-        "auto" if args.colocate => "ipc",
+        // Colocated engines on the CPU (a slime script at CPU scale) reload from disk like any.
+        "auto" if args.colocate && on_gpu => "ipc",
         "auto" if on_gpu => "nccl",
         "auto" => "disk",
         "ipc" => "ipc",

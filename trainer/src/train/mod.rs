@@ -28,9 +28,12 @@
 //! - Ctrl-C finishes the current phase, writes the plot and returns (a second Ctrl-C exits at
 //!   once). No checkpoint is written on interrupt; `--load` resumes from the last saved one.
 pub mod args;
+pub mod compat;
 pub mod engine;
 pub mod eval;
 pub mod parallel;
+pub mod placement;
+pub mod resolve;
 pub mod step;
 mod ui;
 
@@ -121,10 +124,19 @@ struct Run<'a> {
 
 /// Runs (or resumes) a training run to `--num-rollout`.
 pub fn run(args: &TrainArgs) -> Result<RunSummary> {
+    // Everything `auto` or implied is settled, and every flag checked, before any process joins
+    // or any weight loads.
+    let (args, plan) = resolve::resolve(args)?;
+    let args = &args;
     args.validate()?;
+    if std::env::var("RANK").map_or(true, |r| r == "0") {
+        for line in &plan.lines {
+            eprintln!("vime: {line}");
+        }
+    }
     ui::install_interrupt_handler();
     let (world, device, backend) = parallel::join_world(&args.parallel, &args.device)?;
-    let mut run = Run::setup(args, world, device, backend)?;
+    let mut run = Run::setup(args, &plan, world, device, backend)?;
     // On an error the run (and its world) is dropped without a goodbye: the other ranks'
     // watchdogs report this rank as failed instead of waiting in their next collective.
     let summary = run.main_loop()?;
@@ -137,7 +149,13 @@ fn load_tokenizer(dir: &Path) -> Result<Tokenizer> {
 }
 
 impl<'a> Run<'a> {
-    fn setup(args: &'a TrainArgs, world: World, device: candle_core::Device, backend: &str) -> Result<Self> {
+    fn setup(
+        args: &'a TrainArgs,
+        plan: &resolve::Plan,
+        world: World,
+        device: candle_core::Device,
+        backend: &str,
+    ) -> Result<Self> {
         // Several ranks: a cuDNN failure is an error, never one rank falling back to the flash
         // kernel alone (its numbers, and its determinism, would differ from the others').
         let on_cudnn_failure = if world.size() > 1 {
@@ -185,8 +203,14 @@ impl<'a> Run<'a> {
         let tokenizer_dir = args.hf_checkpoint.clone().unwrap_or_else(|| model_dir.clone());
         let tokenizer = load_tokenizer(&tokenizer_dir)?;
 
-        let mut policy = Qwen3::load_hf(&model_dir, dtype, &device)
-            .with_context(|| format!("loading the policy from {}", model_dir.display()))?;
+        let mut policy = match &plan.random_init {
+            Some(cfg) => {
+                // The same draw on every rank (one seed), so TP shards cut one model.
+                crate::bench::random_model(cfg.clone(), dtype, &device)?
+            }
+            None => Qwen3::load_hf(&model_dir, dtype, &device)
+                .with_context(|| format!("loading the policy from {}", model_dir.display()))?,
+        };
         let tp = world.tp().clone();
         if tp.size() > 1 {
             // Every rank reads the checkpoint and keeps its TP shard (Megatron's split).
@@ -657,11 +681,11 @@ impl<'a> Run<'a> {
         Ok(dir)
     }
 
-    fn sampling(&self, temperature: f64, top_p: f64, max_tokens: usize, seed: u64) -> SamplingParams {
+    fn sampling(&self, temperature: f64, top_p: f64, top_k: i64, max_tokens: usize, seed: u64) -> SamplingParams {
         SamplingParams {
             temperature,
             top_p,
-            top_k: self.args.rollout_top_k,
+            top_k,
             max_tokens,
             stop_token_ids: self.args.rollout_stop_token_ids.clone(),
             seed: Some(seed),
@@ -715,6 +739,7 @@ impl<'a> Run<'a> {
                     params: self.sampling(
                         args.rollout_temperature,
                         args.rollout_top_p,
+                        args.rollout_top_k,
                         args.rollout_max_response_len,
                         seed_of(&[args.seed, ROLLOUT_STREAM, rollout_id, i]),
                     ),
@@ -1027,6 +1052,7 @@ impl<'a> Run<'a> {
         let n = args.n_samples_per_eval_prompt;
         let temperature = args.eval_temperature.unwrap_or(args.rollout_temperature);
         let top_p = args.eval_top_p.unwrap_or(args.rollout_top_p);
+        let top_k = args.eval_top_k.unwrap_or(args.rollout_top_k);
         let max_tokens = args.eval_max_response_len.unwrap_or(args.rollout_max_response_len);
         let mut m = BTreeMap::new();
         let Some(engine) = &self.engine else {
@@ -1044,6 +1070,7 @@ impl<'a> Run<'a> {
                         params: self.sampling(
                             temperature,
                             top_p,
+                            top_k,
                             max_tokens,
                             seed_of(&[args.seed, EVAL_STREAM, si as u64, p.index as u64, k as u64]),
                         ),
