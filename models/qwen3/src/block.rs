@@ -154,10 +154,10 @@ pub(crate) enum Attention<'a> {
     /// KV-cached decoding: each sequence's new keys and values are appended to its slot of
     /// `cache`, and its queries attend to cached + new (`cu_seqlens_q` spans the new tokens,
     /// `cu_seqlens_k` cached + new; the kernel's bottom-right causal alignment gives each query
-    /// its prefix). `seqs[s] = (slot, cached tokens before this call)`.
+    /// its prefix). `rows`: the pool rows the call writes and reads (`KvCache::call_rows`).
     Cached {
         cache: &'a KvCache,
-        seqs: &'a [(usize, usize)],
+        rows: &'a crate::infer::CallRows,
         cu_seqlens_q: &'a Arc<[u32]>,
         cu_seqlens_k: &'a Arc<[u32]>,
     },
@@ -201,11 +201,11 @@ impl Attention<'_> {
             Attention::Cached { .. } if save => bail!("KV-cached attention has no backward"),
             Attention::Cached {
                 cache,
-                seqs,
+                rows,
                 cu_seqlens_q,
                 cu_seqlens_k,
             } => {
-                let (k_all, v_all) = cache.append_and_gather(layer, seqs, cu_seqlens_q, k, v)?;
+                let (k_all, v_all) = cache.append_and_gather(layer, rows, k, v)?;
                 let a = varlen_attention(q, &k_all, &v_all, cu_seqlens_q, cu_seqlens_k, scale, &ctx.kernels)?;
                 Ok((a, None))
             }

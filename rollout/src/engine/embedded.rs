@@ -261,6 +261,46 @@ fn validate_request(i: usize, r: &GenRequest, cfg: &Qwen3Config) -> Result<()> {
     Ok(())
 }
 
+/// Seconds per phase of [`EmbeddedEngine::generate`] (`VIME_ENGINE_PROFILE`).
+#[derive(Debug, Default)]
+struct StepProfile {
+    steps: usize,
+    /// Tokens fed to the model (prompts and decoded tokens).
+    tokens: usize,
+    /// Tokens sampled (one per sequence per step).
+    sampled: usize,
+    /// scheduling and bookkeeping, model forward (KV cache included), LM head logits, logits to
+    /// the host, host sampling, log-probs of the sampled tokens.
+    secs: [f64; 6],
+}
+
+impl StepProfile {
+    fn report(&self) -> String {
+        const NAMES: [&str; 6] = ["schedule", "forward", "lm_head", "to_host", "sample", "logprobs"];
+        let total: f64 = self.secs.iter().sum();
+        let parts: Vec<String> = NAMES
+            .iter()
+            .zip(self.secs)
+            .map(|(n, s)| {
+                format!(
+                    "{n} {:.1} ms/step ({:.0}%)",
+                    1e3 * s / self.steps.max(1) as f64,
+                    100.0 * s / total.max(1e-12)
+                )
+            })
+            .collect();
+        format!(
+            "ENGINE PROFILE: {} steps, {} tokens in, {} sampled, {:.2} s, {:.0} sampled tokens/s; {}",
+            self.steps,
+            self.tokens,
+            self.sampled,
+            total,
+            self.sampled as f64 / total.max(1e-12),
+            parts.join(", ")
+        )
+    }
+}
+
 /// One request in flight.
 struct Seq {
     rng: Rng,
@@ -298,6 +338,19 @@ impl RolloutEngine for EmbeddedEngine {
         // Requests with a sampled token still to feed, in admission order; the slot id is the
         // request index.
         let mut running: Vec<usize> = Vec::new();
+        // `VIME_ENGINE_PROFILE=1`: where a generate call's time goes, per phase (each phase ends
+        // with a device sync, which itself costs a little), printed to stderr at the end.
+        let mut profile = std::env::var_os("VIME_ENGINE_PROFILE").map(|_| StepProfile::default());
+        let mut mark = std::time::Instant::now();
+        let mut phase = |p: &mut Option<StepProfile>, slot: usize| -> Result<()> {
+            if let Some(p) = p {
+                model.device().synchronize()?;
+                let now = std::time::Instant::now();
+                p.secs[slot] += (now - mark).as_secs_f64();
+                mark = now;
+            }
+            Ok(())
+        };
         loop {
             let mut budget = self.opts.max_num_batched_tokens.saturating_sub(running.len());
             let mut admitted = Vec::new();
@@ -322,16 +375,28 @@ impl RolloutEngine for EmbeddedEngine {
                     None => (i, requests[i].prompt_ids.as_slice()),
                 })
                 .collect();
+            if let Some(p) = &mut profile {
+                p.steps += 1;
+                p.tokens += inputs.iter().map(|(_, t)| t.len()).sum::<usize>();
+                p.sampled += inputs.len();
+            }
+            phase(&mut profile, 0)?;
             let hidden = model.forward_with_cache(&inputs, &mut cache, HiddenRows::Last)?;
+            phase(&mut profile, 1)?;
             // As vLLM: the LM head in the model's dtype, the logits widened to f32 for sampling.
-            let logits = hidden.matmul(&lm_head.t()?)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let logits = hidden.matmul(&lm_head.t()?)?.to_dtype(DType::F32)?;
+            phase(&mut profile, 2)?;
+            let logits = logits.to_vec2::<f32>()?;
+            phase(&mut profile, 3)?;
             let sampled: Arc<[u32]> = order
                 .iter()
                 .zip(&logits)
                 .map(|(&i, row)| sample_token(row, &requests[i].params, &mut seqs[i].rng))
                 .collect();
+            phase(&mut profile, 4)?;
             let (lp, _) = logprobs_entropy(&hidden, &lm_head, &sampled, chunk)?;
             let lp = lp.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            phase(&mut profile, 5)?;
             running.clear();
             for ((&i, &tok), &lp) in order.iter().zip(sampled.iter()).zip(&lp) {
                 let (r, s) = (&requests[i], &mut seqs[i]);
@@ -352,6 +417,10 @@ impl RolloutEngine for EmbeddedEngine {
                     running.push(i);
                 }
             }
+        }
+        phase(&mut profile, 0)?;
+        if let Some(p) = &profile {
+            eprintln!("{}", p.report());
         }
         Ok(seqs
             .into_iter()
