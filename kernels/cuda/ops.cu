@@ -557,3 +557,60 @@ extern "C" __global__ void vime_sum_partials(const double* __restrict__ partial,
     for (int l = 0; l < 32; ++l) total += __shfl_sync(FULL_MASK, s, l);
     if (threadIdx.x == 0) out[0] = total;
 }
+
+// ------------------------------------------------------------------------------------------------
+// Sampling (the built-in engine): Gumbel-max over counter-based noise, one block of 256 threads per
+// row of f32 logits [rows, vocab]. key_j = logit_j * inv_t[row] + g_j, g_j = -log(-log(u_j)),
+// u_j = ((h >> 40) + 0.5) / 2^24 with h = mix64(mix64(seed + counter * GOLDEN) + j): the noise
+// depends only on (seed, counter, j), never on the batch. inv_t == 0 is greedy (key = logit). The
+// token is the first index of the largest key (NaN never wins). vime_kernels::sample mirrors this
+// on the host.
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned long long vime_mix64(unsigned long long z) {
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    vime_sample_gumbel(const float* __restrict__ logits, int vocab, const unsigned long long* __restrict__ seeds,
+                       const unsigned long long* __restrict__ counters, const float* __restrict__ inv_t,
+                       unsigned int* __restrict__ out) {
+    const int row = blockIdx.x;
+    const float* x = logits + (size_t)row * vocab;
+    const float it = inv_t[row];
+    const unsigned long long base = vime_mix64(seeds[row] + counters[row] * 0x9E3779B97F4A7C15ULL);
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int j = threadIdx.x; j < vocab; j += 256) {
+        const float z = x[j];
+        float key = z;
+        if (it != 0.f) {
+            const unsigned long long h = vime_mix64(base + (unsigned long long)j);
+            const float u = ((float)(h >> 40) + 0.5f) * 5.9604644775390625e-08f;
+            key = z * it - logf(-logf(u));
+        }
+        if (key > best || (key == best && j < bi)) {
+            best = key;
+            bi = j;
+        }
+    }
+    __shared__ float sk[256];
+    __shared__ int si[256];
+    sk[threadIdx.x] = best;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = 128; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ok = sk[threadIdx.x + s];
+            const int oi = si[threadIdx.x + s];
+            if (ok > sk[threadIdx.x] || (ok == sk[threadIdx.x] && oi < si[threadIdx.x])) {
+                sk[threadIdx.x] = ok;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[row] = si[0] == 0x7fffffff ? 0u : (unsigned int)si[0];
+}

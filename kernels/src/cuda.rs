@@ -1191,3 +1191,28 @@ pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
     }
     dev.cuda_stream().clone_dtoh(&out).w()
 }
+
+/// [`crate::sample::sample_gumbel`] on the device: one launch, `rows` u32 back to the host.
+pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[f32]) -> Result<Vec<u32>> {
+    let dev = match logits.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("sample_gumbel: logits must be on a CUDA device"),
+    };
+    let (rows, vocab) = logits.dims2()?;
+    let x = tensor_addr::<f32>(&logits.contiguous()?, "sample_gumbel")?;
+    let stream = dev.cuda_stream();
+    let seeds = stream.clone_htod(seeds).w()?;
+    let counters = stream.clone_htod(counters).w()?;
+    let inv_t = stream.clone_htod(inv_t).w()?;
+    let out = dev.alloc_zeros::<u32>(rows)?;
+    let f = ops_fn(&dev, "vime_sample_gumbel")?;
+    let v = vocab as i32;
+    let (sp, cp, tp, op) = (
+        slice_addr(&seeds, &dev),
+        slice_addr(&counters, &dev),
+        slice_addr(&inv_t, &dev),
+        slice_addr(&out, &dev),
+    );
+    launch!(dev, f, cfg(rows as u32, 256), [&x, &v, &sp, &cp, &tp, &op]);
+    stream.clone_dtoh(&out).w()
+}

@@ -150,7 +150,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     )?;
 
     let scale = 1.0 / (128f64).sqrt();
-    let mut checks = 12;
+    let mut checks = 13;
     for (backend, tag) in attention_backends() {
         check_attention(
             tag,
@@ -203,6 +203,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
+    check_sample_gumbel(&gpu, &mut rng, &mut failures)?;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -654,6 +655,33 @@ fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Stri
     );
     if !ok {
         failures.push(format!("embedding_backward: max abs diff {worst:e}"));
+    }
+    Ok(())
+}
+
+/// The engine's device sampler against its host mirror on the same logits: greedy rows and
+/// T = 0.7 / 1.0 rows over the real vocabulary. The keys are the same f32 arithmetic (logf
+/// against Rust's ln can differ in the last bit), so at most one row in 256 may differ, and only
+/// where the two largest keys are that close.
+fn check_sample_gumbel(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (rows, vocab) = (256usize, 151_936usize);
+    let logits = rng.randn(&[rows, vocab], 3.0, DType::F32, &Device::Cpu)?;
+    let seeds: Vec<u64> = (0..rows as u64).map(|r| r * 7919 + 1).collect();
+    let counters: Vec<u64> = (0..rows as u64).map(|r| r % 13).collect();
+    let inv_t: Vec<f32> = (0..rows).map(|r| [0.0, 1.0 / 0.7, 1.0][r % 3]).collect();
+    let want = vime_kernels::sample::sample_gumbel(&logits, &seeds, &counters, &inv_t)?;
+    let got = vime_kernels::sample::sample_gumbel(&logits.to_device(gpu)?, &seeds, &counters, &inv_t)?;
+    let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+    let greedy_differ = want.iter().zip(&got).step_by(3).filter(|(a, b)| a != b).count();
+    let ok = differ <= 1 && greedy_differ == 0;
+    println!(
+        "{:<26} {:<52} rows where cuda != cpu: {differ} (greedy rows: {greedy_differ})  {}",
+        "sample_gumbel",
+        format!("[{rows}, {vocab}] f32, T 0 / 0.7 / 1"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("sample_gumbel: {differ} rows differ ({greedy_differ} greedy)"));
     }
     Ok(())
 }

@@ -10,9 +10,14 @@
 //!   top-k (ties with the k-th value kept), then top-p on the renormalised top-k distribution
 //!   (a token is dropped when the tokens ranked above it already hold mass >= p; the top token is
 //!   always kept), then a draw.
-//! - Every request owns its generator (the [`Rng`] SplitMix64, seeded by `seed`, or by a draw
-//!   from the engine's generator when `None`) and consumes exactly one uniform per sampled token,
-//!   so a seeded request samples the same tokens whatever else is in the batch.
+//! - Greedy and plain temperature sampling (no top-k, top-p 1: what RL rollouts use) run on the
+//!   logits' device (`vime_kernels::sample::sample_gumbel`: vLLM's exponential race as a
+//!   Gumbel-max over noise hashed from the request's seed and token index), so only one token per
+//!   sequence leaves the GPU: the host copy and sampling of `[batch, 151936]` f32 logits was 90 % of
+//!   a decode step at batch 64 on an H200. Rows with top-k or top-p take the host sampler, whose
+//!   request-owned generator (the [`Rng`] SplitMix64) consumes one uniform per token.
+//! - Every request has its seed (its own, or a draw from the engine's generator when `None`), so a
+//!   seeded request samples the same tokens whatever else is in the batch, on either path.
 //! - Log-probs are vLLM's default `logprobs_mode = "raw_logprobs"`: log-softmax of the
 //!   unmodified logits (no temperature, no top-k/p), computed by the trainer's own
 //!   `vime_kernels::logprobs_entropy` on the final-normed hidden state that produced the token:
@@ -303,6 +308,9 @@ impl StepProfile {
 
 /// One request in flight.
 struct Seq {
+    /// The request's seed (its own, or drawn from the engine's generator): the device sampler's
+    /// noise is a function of it and the token index.
+    seed: u64,
     rng: Rng,
     token_ids: Vec<u32>,
     logprobs: Vec<f32>,
@@ -323,11 +331,15 @@ impl RolloutEngine for EmbeddedEngine {
                 .map_err(|_| anyhow!("the engine's generator lock is poisoned"))?;
             requests
                 .iter()
-                .map(|r| Seq {
-                    rng: Rng::new(r.params.seed.unwrap_or_else(|| engine_rng.next_u64())),
-                    token_ids: Vec::with_capacity(r.params.max_tokens.min(4096)),
-                    logprobs: Vec::with_capacity(r.params.max_tokens.min(4096)),
-                    finish: None,
+                .map(|r| {
+                    let seed = r.params.seed.unwrap_or_else(|| engine_rng.next_u64());
+                    Seq {
+                        seed,
+                        rng: Rng::new(seed),
+                        token_ids: Vec::with_capacity(r.params.max_tokens.min(4096)),
+                        logprobs: Vec::with_capacity(r.params.max_tokens.min(4096)),
+                        finish: None,
+                    }
                 })
                 .collect()
         };
@@ -386,13 +398,33 @@ impl RolloutEngine for EmbeddedEngine {
             // As vLLM: the LM head in the model's dtype, the logits widened to f32 for sampling.
             let logits = hidden.matmul(&lm_head.t()?)?.to_dtype(DType::F32)?;
             phase(&mut profile, 2)?;
-            let logits = logits.to_vec2::<f32>()?;
-            phase(&mut profile, 3)?;
-            let sampled: Arc<[u32]> = order
-                .iter()
-                .zip(&logits)
-                .map(|(&i, row)| sample_token(row, &requests[i].params, &mut seqs[i].rng))
-                .collect();
+            // Plain temperature sampling (and greedy) on the logits' device, one token per row back;
+            // rows with top-k or top-p go to the host sampler.
+            let plain = |i: usize| requests[i].params.is_plain(cfg.vocab_size);
+            let mut sampled: Vec<u32> = if order.iter().any(|&i| plain(i)) {
+                let seeds: Vec<u64> = order.iter().map(|&i| seqs[i].seed).collect();
+                let counters: Vec<u64> = order.iter().map(|&i| seqs[i].token_ids.len() as u64).collect();
+                let inv_t: Vec<f32> = order
+                    .iter()
+                    .map(|&i| requests[i].params.inverse_temperature())
+                    .collect();
+                vime_kernels::sample::sample_gumbel(&logits, &seeds, &counters, &inv_t)?
+            } else {
+                vec![0; order.len()]
+            };
+            let host: Vec<usize> = (0..order.len()).filter(|&r| !plain(order[r])).collect();
+            if !host.is_empty() {
+                let idx: Vec<u32> = host.iter().map(|&r| r as u32).collect();
+                let rows = logits
+                    .index_select(&Tensor::from_vec(idx, host.len(), logits.device())?, 0)?
+                    .to_vec2::<f32>()?;
+                phase(&mut profile, 3)?;
+                for (&r, row) in host.iter().zip(&rows) {
+                    let i = order[r];
+                    sampled[r] = sample_token(row, &requests[i].params, &mut seqs[i].rng);
+                }
+            }
+            let sampled: Arc<[u32]> = sampled.into();
             phase(&mut profile, 4)?;
             let (lp, _) = logprobs_entropy(&hidden, &lm_head, &sampled, chunk)?;
             let lp = lp.to_dtype(DType::F32)?.to_vec1::<f32>()?;

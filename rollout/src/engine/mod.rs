@@ -31,6 +31,25 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
 }
 
+impl SamplingParams {
+    /// Greedy, or temperature sampling with neither top-k nor top-p over a vocabulary of `vocab`:
+    /// what the device sampler draws (`vime_kernels::sample`).
+    pub fn is_plain(&self, vocab: usize) -> bool {
+        let greedy = self.temperature < embedded::SAMPLING_EPS;
+        let no_top_k = self.top_k <= 0 || self.top_k as u64 >= vocab as u64;
+        greedy || (no_top_k && self.top_p >= 1.0)
+    }
+
+    /// `1 / temperature`, and 0 for greedy (vLLM's threshold, [`embedded::SAMPLING_EPS`]).
+    pub fn inverse_temperature(&self) -> f32 {
+        if self.temperature < embedded::SAMPLING_EPS {
+            0.0
+        } else {
+            (1.0 / self.temperature) as f32
+        }
+    }
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         Self {
