@@ -427,7 +427,7 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainArgs, Plan)> {
                 a.vllm.vllm_command,
                 l.gpus_per_engine
             ));
-        } else if a.rollout_engine == "embedded" && l.engines() > 0 {
+        } else if a.rollout_engine == "embedded" && l.engines() > 0 && !l.colocate {
             lines.push(format!(
                 "engines: the built-in engine serves in this process on the policy's device; the {} rollout GPU(s) are not used (pass --rollout-backend vllm to serve on them)",
                 l.rollout.len()
@@ -438,7 +438,7 @@ pub fn resolve(args: &TrainArgs) -> Result<(TrainArgs, Plan)> {
         None
     };
     if a.sync.colocate && a.rollout_engine == "embedded" {
-        lines.push("--colocate: the built-in engine always shares the trainer's process and GPU".into());
+        lines.push("--colocate: the built-in engine always shares the trainer's process and GPU (rank 0's)".into());
     }
     lines.extend(args.compat.notices.iter().cloned());
     Ok((
