@@ -1216,3 +1216,36 @@ pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[
     launch!(dev, f, cfg(rows as u32, 256), [&x, &v, &sp, &cp, &tp, &op]);
     stream.clone_dtoh(&out).w()
 }
+
+/// `pool[rows[r]] = src[r]` in place for the rows of `src` (`[n, width]` bf16, contiguous) into
+/// `pool` (`[capacity, width]` bf16, contiguous; `rows`: `[n]` u32 on the device, each <
+/// capacity, checked by the caller). The KV cache's append.
+pub fn rows_write(pool: &Tensor, src: &Tensor, rows: &Tensor) -> Result<()> {
+    let dev = match pool.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("rows_write: the pool must be on a CUDA device"),
+    };
+    check_bf16("rows_write", &[pool.dtype(), src.dtype()])?;
+    let (n, width) = src.dims2()?;
+    if pool.dims2()?.1 != width || rows.dims1()? != n {
+        bail!(
+            "rows_write: pool {:?}, src {:?}, rows {:?}",
+            pool.dims(),
+            src.dims(),
+            rows.dims()
+        );
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let (pp, sp) = (
+        tensor_addr::<bf16>(pool, "rows_write")?,
+        tensor_addr::<bf16>(src, "rows_write")?,
+    );
+    let rp = tensor_addr::<u32>(rows, "rows_write")?;
+    let total = (n * width) as u64;
+    let w = width as i32;
+    let f = ops_fn(&dev, "vime_rows_write_bf16")?;
+    launch!(dev, f, cfg(grid_for(n * width, 256), 256), [&pp, &sp, &rp, &total, &w]);
+    Ok(())
+}

@@ -38,6 +38,7 @@ pub mod lm_head;
 pub mod real;
 pub mod rmsnorm;
 pub mod rope;
+pub mod rows;
 pub mod sample;
 pub mod swiglu;
 pub mod testing;

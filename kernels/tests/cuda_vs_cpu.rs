@@ -150,7 +150,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     )?;
 
     let scale = 1.0 / (128f64).sqrt();
-    let mut checks = 13;
+    let mut checks = 12;
     for (backend, tag) in attention_backends() {
         check_attention(
             tag,
@@ -203,7 +203,6 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
-    check_sample_gumbel(&gpu, &mut rng, &mut failures)?;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -683,5 +682,48 @@ fn check_sample_gumbel(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) 
     if !ok {
         failures.push(format!("sample_gumbel: {differ} rows differ ({greedy_differ} greedy)"));
     }
+    Ok(())
+}
+
+/// The built-in engine's own device ops (sampling, the KV cache's row writes) against their CPU
+/// paths. `scripts/gpu/check_kernels.sh` runs it after `every_op`.
+#[test]
+fn engine_ops_on_cuda_match_the_cpu() -> Result<()> {
+    let Ok(gpu) = Device::new_cuda(0) else {
+        println!("no CUDA device: skipped");
+        return Ok(());
+    };
+    let mut rng = Rng::new(4242);
+    let mut failures = Vec::new();
+    check_sample_gumbel(&gpu, &mut rng, &mut failures)?;
+    // KV rows: 300 rows of 1024 bf16 written into a 4096-row pool at scattered rows.
+    let (cap, width, n) = (4096usize, 1024usize, 300usize);
+    let pool = rng.randn(&[cap, width], 1.0, DType::BF16, &Device::Cpu)?;
+    let src = rng.randn(&[n, width], 1.0, DType::BF16, &Device::Cpu)?;
+    let rows: Vec<u32> = (0..n as u32).map(|r| (r * 13 + 5) % cap as u32).collect();
+    let rows_c = Tensor::from_vec(rows.clone(), n, &Device::Cpu)?;
+    let (pool_c, pool_g) = (pool.copy()?, pool.to_device(&gpu)?);
+    vime_kernels::rows::write_rows(&pool_c, &rows_c, &src)?;
+    vime_kernels::rows::write_rows(&pool_g, &rows_c.to_device(&gpu)?, &src.to_device(&gpu)?)?;
+    let diff = (pool_c.to_dtype(DType::F32)? - pool_g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    let ok = diff == 0.0;
+    println!(
+        "{:<26} {:<52} max |cpu - cuda| {diff:e}  {}",
+        "write_rows",
+        format!("[{n}, {width}] bf16 into [{cap}, {width}]"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("write_rows: max abs diff {diff:e}"));
+    }
+    println!(
+        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows vs the CPU)",
+        if failures.is_empty() { "PASS" } else { "FAIL" }
+    );
+    assert!(failures.is_empty(), "{failures:?}");
     Ok(())
 }

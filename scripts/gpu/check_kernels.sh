@@ -28,6 +28,9 @@ LOG="$OUT/check_kernels.txt"
 } | tee "$LOG"
 "$BIN" every_op --nocapture --test-threads 1 2>&1 | tee -a "$LOG"
 check=${PIPESTATUS[0]}
+# The built-in engine's device ops (sampling, KV-cache row writes).
+"$BIN" engine_ops --nocapture --test-threads 1 2>&1 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" = 0 ] || check=1
 echo "--- timings (median of 20 after 2 warm-ups; fwd, and fwd + bwd of sum(y * w)) ---" | tee -a "$LOG"
 "$BIN" timings --nocapture --test-threads 1 2>&1 | tee "$OUT/vime_times.txt" | tee -a "$LOG"
 PYTHONUNBUFFERED=1 python3 scripts/gpu/torch_kernel_times.py "$OUT/vime_times.txt" 2>&1 | tee -a "$LOG"

@@ -18,7 +18,7 @@
 //!   model's dtype on its device), handed out to sequences in pages of [`PAGE`] rows; a sequence's
 //!   page list maps its positions to pool rows. A call computes two index tensors once (the rows
 //!   its new tokens go to, and the rows of every sequence's cached + new keys in call order) and
-//!   each layer then writes its new keys and values with one in-place scatter per pool and reads
+//!   each layer then writes its new keys and values with one in-place row write per pool and reads
 //!   the packed keys and values for the kernel with one gather per pool: four ops a layer,
 //!   whatever the batch (the per-sequence buffers before cost 4 ops per sequence per layer, which
 //!   dominated decoding at batch 64 on a GPU). The pool doubles (one copy) when out of pages;
@@ -69,8 +69,7 @@ pub struct KvCache {
 
 /// The pool rows of one call (see the module docs), shared by every layer.
 pub(crate) struct CallRows {
-    /// `[new tokens, kv_heads x head_dim]`: each new token's pool row, repeated along the row (the
-    /// index layout of an in-place scatter).
+    /// `[new tokens]`: each new token's pool row.
     write: Tensor,
     /// `[cached + new tokens of every sequence]`: the rows to gather, in call order.
     read: Tensor,
@@ -200,13 +199,9 @@ impl KvCache {
             write.extend((p..p + n).map(|t| s.row(t)));
             read.extend((0..p + n).map(|t| s.row(t)));
         }
-        let width = self.num_kv_heads * self.head_dim;
         let (nw, nr) = (write.len(), read.len());
-        let write = Tensor::from_vec(write, (nw, 1), &self.device)?
-            .broadcast_as((nw, width))?
-            .contiguous()?;
         Ok(CallRows {
-            write,
+            write: Tensor::from_vec(write, nw, &self.device)?,
             read: Tensor::from_vec(read, nr, &self.device)?,
         })
     }
@@ -223,8 +218,8 @@ impl KvCache {
     ) -> Result<(Tensor, Tensor)> {
         let (t, width) = (k.dim(0)?, self.num_kv_heads * self.head_dim);
         let (kp, vp) = (&self.k[layer], &self.v[layer]);
-        kp.scatter_set(&rows.write, &k.contiguous()?.reshape((t, width))?, 0)?;
-        vp.scatter_set(&rows.write, &v.contiguous()?.reshape((t, width))?, 0)?;
+        vime_kernels::rows::write_rows(kp, &rows.write, &k.contiguous()?.reshape((t, width))?)?;
+        vime_kernels::rows::write_rows(vp, &rows.write, &v.contiguous()?.reshape((t, width))?)?;
         let n = rows.read.dim(0)?;
         let shape = (n, self.num_kv_heads, self.head_dim);
         Ok((
