@@ -1,6 +1,10 @@
 //! Reward functions: math-answer equivalence conformance against math-verify 0.9.0's own test
-//! cases (tests/assets/math/answer-equivalence-cases.jsonl), and each `--rm-type` on realistic
-//! completions, including `remote_rm` against a local flaky server and a dead port.
+//! cases (tests/assets/math/answer-equivalence-cases.jsonl, every case must pass), and each
+//! `--rm-type` on realistic completions. The deepscaler / math / dapo / f1 expected rewards are
+//! slime's own (tests/fixtures/reward/slime_rewards.jsonl, from tests/fixtures/gen_reward_fixtures.py
+//! over slime's rm_hub functions), with vime's deliberate differences listed by name and reason.
+//! `remote_rm` runs against a local flaky server, a silent one and a dead port; its time bounds
+//! come from the retry policy, not from a guess at the machine's speed.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -108,7 +112,13 @@ fn math_verify_conformance() {
             short(&c.pred)
         );
     }
-    assert!(rate >= 0.95, "conformance {:.2}% is below the 95% target", 100.0 * rate);
+    assert!(
+        failures.is_empty(),
+        "{} of {} math-verify cases fail (listed above); the README claims all {}",
+        failures.len(),
+        cases.len(),
+        cases.len()
+    );
 }
 
 // ---- answer equivalence on isolated answers ------------------------------------------------
@@ -224,82 +234,148 @@ fn rm_type_parsing() {
     assert!(err.contains("not implemented") && err.contains("deepscaler"), "{err}");
 }
 
+// Expected values: tests/fixtures/reward/slime_rewards.jsonl, computed by slime's own rm_hub
+// functions (tests/fixtures/gen_reward_fixtures.py, vendored code in tests/fixtures/slime_rm_hub).
+
+struct SlimeCase {
+    name: String,
+    rm_type: String,
+    response: String,
+    label: Option<String>,
+    /// A number, or dapo's `{"score", "acc", "pred"}`; `None` when slime raised.
+    reward: Option<serde_json::Value>,
+    error: Option<String>,
+}
+
+fn slime_cases() -> Vec<SlimeCase> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/reward/slime_rewards.jsonl"
+    );
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+    text.lines()
+        .enumerate()
+        .filter_map(|(i, l)| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{path}:{}: {e}", i + 1));
+            if v.get("versions").is_some() {
+                return None;
+            }
+            let s = |k: &str| v[k].as_str().map(str::to_string);
+            Some(SlimeCase {
+                name: s("name").expect("name"),
+                rm_type: s("rm_type").expect("rm_type"),
+                response: s("response").expect("response"),
+                label: s("label"),
+                reward: v.get("reward").cloned(),
+                error: s("error"),
+            })
+        })
+        .collect()
+}
+
+/// Cases where vime deliberately differs from slime, by (rm_type, case name): vime's value and why.
+const DELIBERATE_DIFFERENCES: &[(&str, &str, f64, &str)] = &[
+    (
+        "deepscaler",
+        "set order",
+        1.0,
+        "vime's grader adds math-verify equivalence (rollout/src/reward/deepscaler.rs, step 3), \
+         which accepts a set in another order; slime's mathd/sympy graders compare in order",
+    ),
+    (
+        "deepscaler",
+        "unreduced fraction",
+        1.0,
+        "math-verify equivalence (deepscaler.rs step 3) accepts 2/4 = 1/2; slime's sympy grader \
+         refuses an unreduced fraction",
+    ),
+    (
+        "deepscaler",
+        "fbox",
+        1.0,
+        "vime extracts the answer with last_boxed_answer, which reads \\fbox{} too; slime's \
+         extract_answer needs a \\boxed",
+    ),
+];
+
+/// Checks vime's `rule_reward` on every fixture case whose rm_type is in `rm_types`; returns how
+/// many were checked.
+fn check_slime_cases(rm_types: &[&str]) -> usize {
+    let (mut checked, mut mismatches) = (0, Vec::new());
+    for c in slime_cases().iter().filter(|c| rm_types.contains(&c.rm_type.as_str())) {
+        let what = format!(
+            "{} {:?} (response {:?}, label {:?})",
+            c.rm_type, c.name, c.response, c.label
+        );
+        let got = rule_reward(rm(&c.rm_type), &c.response, c.label.as_deref());
+        match (&c.reward, &c.error) {
+            (_, Some(err)) => {
+                let e = got
+                    .err()
+                    .unwrap_or_else(|| panic!("{what}: slime raises {err:?}, vime returned a reward"));
+                println!("{what}: error as in slime ({err}): {e:#}");
+            }
+            (Some(serde_json::Value::Object(want)), None) => match got.unwrap() {
+                Reward::Fields(m) => assert_eq!(&m, want, "{what}"),
+                r => panic!("{what}: slime returns fields {want:?}, vime {r:?}"),
+            },
+            (Some(want), None) => {
+                let want = want.as_f64().unwrap();
+                let got = scalar(got.unwrap());
+                match DELIBERATE_DIFFERENCES
+                    .iter()
+                    .find(|d| d.0 == c.rm_type && d.1 == c.name)
+                {
+                    Some(&(_, _, ours, why)) => {
+                        assert_eq!(got, ours, "{what}: vime's deliberate value");
+                        assert_ne!(want, ours, "{what}: no longer a difference from slime");
+                        println!("{what}: slime {want}, vime {got}: {why}");
+                    }
+                    None if (got - want).abs() <= 1e-12 => {}
+                    None => mismatches.push(format!("{what}: vime {got}, slime {want}")),
+                }
+            }
+            (None, None) => panic!("{what}: fixture row has neither reward nor error"),
+        }
+        checked += 1;
+    }
+    assert!(
+        mismatches.is_empty(),
+        "differences from slime:\n{}",
+        mismatches.join("\n")
+    );
+    assert!(checked > 0, "no fixture cases for {rm_types:?}");
+    checked
+}
+
 #[test]
 fn deepscaler_reward_cases() {
-    let r = |resp: &str, label: &str| scalar(rule_reward(rm("deepscaler"), resp, Some(label)).unwrap());
-    assert_eq!(r(GSM8K_RESPONSE, "72"), 1.0);
+    assert!(check_slime_cases(&["deepscaler", "boxed_deepscaler"]) >= 29);
     assert_eq!(
-        r(GSM8K_RESPONSE, "70"),
-        0.0,
-        "the boxed answer inside <think> does not count"
-    );
-    assert_eq!(r("<think>...</think> so the answer is \\boxed{18}", "18"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{18.00}", "18"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{\\$18}", "18"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{0.75}", "\\frac{3}{4}"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{x = 5}", "5"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{(1, \\frac{9}{2})}", "(1,4.5)"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{3, 1, 2}", "\\{1,2,3\\}"), 1.0);
-    assert_eq!(r("<think>...</think> \\boxed{19}", "18"), 0.0);
-    assert_eq!(r("<think>...</think> the answer is 18", "18"), 0.0, "no box");
-    assert_eq!(r("no think tag \\boxed{18}", "18"), 0.0, "slime: no </think> scores 0");
-    assert_eq!(r("<think>...</think> \\boxed{18}", ""), 0.0, "empty label");
-    assert_eq!(r("<think>...</think> \\boxed{18}", "\\boxed{18}"), 1.0, "boxed label");
-    assert_eq!(
-        r("<think>a</think>b</think> \\boxed{5}", "5"),
-        1.0,
-        "text after the last </think>"
+        GSM8K_RESPONSE,
+        slime_cases()[0].response,
+        "the fixture's first response is GSM8K_RESPONSE"
     );
 }
 
 #[test]
 fn math_reward_cases() {
-    let r = |resp: &str, label: &str| scalar(rule_reward(rm("math"), resp, Some(label)).unwrap());
-    assert_eq!(r("no think tag, \\boxed{18}", "18"), 1.0);
-    assert_eq!(r(GSM8K_RESPONSE, "72"), 1.0);
-    assert_eq!(r("\\boxed{\\frac{14}{3}}", "\\frac{14}{3}"), 1.0);
-    assert_eq!(r("\\boxed{4.6667}", "\\frac{14}{3}"), 0.0);
-    assert_eq!(r("\\boxed{18}", ""), 0.0);
-    assert_eq!(scalar(rule_reward(rm("math"), "\\boxed{18}", None).unwrap()), 0.0);
+    assert!(check_slime_cases(&["math", "boxed_math"]) >= 10);
 }
 
 #[test]
 fn boxed_prefix_applies_to_the_boxed_answer() {
-    let r = rule_reward(rm("boxed_f1"), "blah \\boxed{Paris France} blah", Some("paris, france")).unwrap();
-    assert_eq!(scalar(r), 1.0);
-    let r = rule_reward(rm("boxed_f1"), "no box at all", Some("paris")).unwrap();
-    assert_eq!(scalar(r), 0.0);
+    assert!(check_slime_cases(&["f1", "boxed_f1"]) >= 5);
 }
 
 #[test]
 fn dapo_reward_cases() {
-    let fields = |resp: &str, label: &str| match rule_reward(rm("dapo"), resp, Some(label)).unwrap() {
-        Reward::Fields(m) => m,
-        r => panic!("dapo returns fields, got {r:?}"),
-    };
-    let m = fields("Let me think... 6 * 7 = 42.\nAnswer: 42", "42");
-    assert_eq!(m["score"], 1.0);
-    assert_eq!(m["acc"], true);
-    assert_eq!(m["pred"], "42");
-    let m = fields("so the total is\nAnswer: $\\boxed{1,000}$ dollars", "1000");
-    assert_eq!(m["score"], 1.0, "{m:?}");
-    let m = fields("Answer: 41", "42");
-    assert_eq!(m["score"], -1.0);
-    assert_eq!(m["acc"], false);
-    let m = fields("no answer line here: 42", "42");
-    assert_eq!(m["score"], -1.0);
-    assert_eq!(m["pred"], "[INVALID]");
-    let m = fields("answer: 3\nthen reconsider.\nAnswer: 7", "7.0");
-    assert_eq!(m["score"], 1.0, "last Answer: line, float label");
-    // Only the last 300 characters count.
-    let long = format!("Answer: 5\n{}", "x".repeat(400));
-    assert_eq!(fields(&long, "5")["score"], -1.0);
+    assert!(check_slime_cases(&["dapo"]) >= 10);
     // --reward-key picks the score.
     let r = rule_reward(rm("dapo"), "Answer: 42", Some("42")).unwrap();
     assert_eq!(r.value(Some("score")).unwrap(), 1.0);
     assert!(r.value(None).unwrap_err().to_string().contains("--reward-key"));
-    // A non-numeric label is an error (slime raises), not a silent -1.
+    // A non-numeric label is an error (slime raises, see the fixture), not a silent -1.
     let err = rule_reward(rm("dapo"), "Answer: x", Some("\\text{blue}"))
         .unwrap_err()
         .to_string();
@@ -505,16 +581,27 @@ async fn remote_rm_gives_up_with_the_url_in_the_error() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}/reward", l.local_addr().unwrap())
     };
-    let model = RewardModel::with_remote_options("remote_rm", Some(&dead), fast_retries(4)).unwrap();
+    let opts = fast_retries(4);
+    let model = RewardModel::with_remote_options("remote_rm", Some(&dead), opts.clone()).unwrap();
     let started = Instant::now();
     let err = model.score(&RewardSample::default()).await.unwrap_err();
     let msg = format!("{err:#}");
     assert!(msg.contains(&dead) && msg.contains("4 attempts"), "{msg}");
     assert!(
-        started.elapsed() < Duration::from_secs(10),
-        "gave up in {:?}",
-        started.elapsed()
+        msg.to_lowercase().contains("connect"),
+        "the error names the cause: {msg}"
     );
+    // Bounded by the policy, not by a guess at the machine's speed: even if every attempt had
+    // run into its timeout, 4 attempts and 3 capped backoffs take at most this long.
+    let took = started.elapsed();
+    assert!(took <= policy_bound(&opts), "gave up in {took:?}");
+}
+
+/// The longest `opts` can take to give up (every attempt timing out, every backoff at its cap
+/// plus jitter), plus slack for a loaded machine.
+fn policy_bound(opts: &RemoteRmOptions) -> Duration {
+    let n = opts.max_attempts;
+    opts.timeout * n + opts.backoff_cap.mul_f64(1.1) * (n - 1) + Duration::from_secs(30)
 }
 
 #[tokio::test]
@@ -533,11 +620,17 @@ async fn remote_rm_times_out_a_silent_server() {
         backoff_base: Duration::from_millis(10),
         backoff_cap: Duration::from_millis(10),
     };
-    let model = RewardModel::with_remote_options("remote_rm", Some(&url), opts).unwrap();
+    let model = RewardModel::with_remote_options("remote_rm", Some(&url), opts.clone()).unwrap();
     let started = Instant::now();
     let err = model.score(&RewardSample::default()).await.unwrap_err();
-    assert!(format!("{err:#}").contains(&url));
-    assert!(started.elapsed() < Duration::from_secs(5));
+    let took = started.elapsed();
+    let msg = format!("{err:#}");
+    assert!(msg.contains(&url) && msg.contains("2 attempts"), "{msg}");
+    assert!(msg.contains("timed out"), "the error names the timeout: {msg}");
+    // The per-attempt timeout is what ended each attempt: both waited it out, and nothing more
+    // than the policy allows.
+    assert!(took >= opts.timeout * 2, "gave up after {took:?}, before 2 timeouts");
+    assert!(took <= policy_bound(&opts), "gave up in {took:?}");
 }
 
 /// Degenerate generations (repetition loops, unclosed delimiters, deep nesting) must neither

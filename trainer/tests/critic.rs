@@ -1,6 +1,6 @@
 //! The critic and the reference model: value-head gradients against a composed reference and
 //! finite differences, backbone gradients, loading from the HF fixture, the save/load round trip,
-//! and reference log-probs equal to the policy model's.
+//! and reference log-probs against HF transformers' (tests/fixtures/hf).
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use std::cell::RefCell;
@@ -240,30 +240,46 @@ fn critic_checkpoint_round_trips_bit_exactly() -> Result<()> {
 }
 
 #[test]
-fn reference_logprobs_equal_the_policy_model_logprobs() -> Result<()> {
+fn reference_logprobs_match_the_hf_fixture() -> Result<()> {
+    // The HF transformers log-probs of the fixture's packed batch (tests/fixtures/hf/README.md):
+    // log p(token i+1 | 0..i), 0 at each sequence's last token.
     let dir = fixture("tied_gqa");
+    let expected: std::collections::BTreeMap<String, Tensor> =
+        candle_core::safetensors::load(dir.join("expected.safetensors"), &Device::Cpu)?
+            .into_iter()
+            .collect();
+    let ids: Vec<i64> = expected["input_ids"].to_vec1()?;
+    let cu: Vec<i64> = expected["cu_seqlens"].to_vec1()?;
+    let seqs: Vec<Vec<u32>> = cu
+        .windows(2)
+        .map(|w| ids[w[0] as usize..w[1] as usize].iter().map(|&t| t as u32).collect())
+        .collect();
+    let hf = &expected["logprobs"];
     let reference = ReferenceModel::load(&dir, DType::F32, &Device::Cpu)?;
-    let policy = Qwen3::load_hf(&dir, DType::F32, &Device::Cpu)?;
-    let pb = batch(policy.config().vocab_size as u32, &[9, 3, 14], 7);
+    let pb = PackedBatch::from_sequences(&seqs)?;
     let a = reference.logprobs(&pb)?;
-    let b = policy.logprobs_entropy(&pb)?.logprobs;
     assert_eq!(a.dims(), [pb.num_tokens()]);
-    assert_eq!(bits(&a)?, bits(&b)?);
+    let e = rel_err(&a, hf)?;
+    assert!(e <= 1e-5, "reference log-probs vs HF: relative error {e:.3e}");
 
-    // Read back per response through a micro-batch: the reference log-prob of each response token.
-    let t0: Vec<u32> = pb.input_ids[pb.seq_range(0)].to_vec();
+    // Read back per response through a micro-batch: the reference log-prob of each response token
+    // of sequence 1 (response = its last 4 tokens, predicted at positions L-5 .. L-2).
+    let (s, response_length) = (1, 4);
     let samples = [SampleView {
-        tokens: &t0,
-        response_length: 4,
+        tokens: &seqs[s],
+        response_length,
         loss_mask: None,
     }];
     let mb = MicroBatch::new(&samples, &[0])?;
     let per = mb.responses_from_packed(&reference.logprobs(&mb.batch)?)?;
-    let all: Vec<f32> = b.to_vec1()?;
+    let hf: Vec<f32> = hf.to_vec1()?;
+    let end = cu[s + 1] as usize - 1;
+    let want = &hf[end - response_length..end];
     assert_eq!(per.len(), 1);
     assert_eq!(per[0].0, 0);
-    for (x, y) in per[0].1.iter().zip(&all[4..8]) {
-        assert!((x - y).abs() <= 1e-5, "{x} vs {y}");
+    assert_eq!(per[0].1.len(), response_length);
+    for (x, y) in per[0].1.iter().zip(want) {
+        assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{x} vs HF {y}");
     }
     Ok(())
 }

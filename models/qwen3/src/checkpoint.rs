@@ -105,6 +105,65 @@ fn unexpected_hint(name: &str, cfg: &Qwen3Config) -> &'static str {
     }
 }
 
+/// Which tensor of `path`'s safetensors header is inconsistent, when the safetensors crate refused
+/// the file with an error that names none (a shape, dtype or byte range that disagree). Reads the
+/// header only, and only when its length prefix is plausible (at most 100 MB, as the crate allows,
+/// and within the file).
+fn header_problem(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).ok()?;
+    let file_len = f.metadata().ok()?.len();
+    let mut prefix = [0u8; 8];
+    f.read_exact(&mut prefix).ok()?;
+    let n = u64::from_le_bytes(prefix);
+    if n > 100_000_000 || n + 8 > file_len {
+        return None;
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).ok()?;
+    let header: Value = serde_json::from_slice(&header).ok()?;
+    let data_len = file_len - 8 - n;
+    for (name, t) in header.as_object()?.iter().filter(|(k, _)| *k != "__metadata__") {
+        let dtype = t.get("dtype").and_then(Value::as_str).unwrap_or("");
+        let bits: u64 = match dtype {
+            "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+            "F16" | "BF16" | "I16" | "U16" => 16,
+            "F32" | "I32" | "U32" => 32,
+            "F64" | "I64" | "U64" => 64,
+            _ => continue, // sub-byte or unknown dtypes: the crate's own message stands
+        };
+        let shape: Option<Vec<u64>> = t
+            .get("shape")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect());
+        let offsets: Option<Vec<u64>> = t
+            .get("data_offsets")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect());
+        let (Some(shape), Some(offsets)) = (shape, offsets) else {
+            continue;
+        };
+        let bytes = shape.iter().try_fold(bits, |acc, &d| acc.checked_mul(d)).map(|b| b / 8);
+        let Some(bytes) = bytes else {
+            return Some(format!("tensor {name}: shape {shape:?} of {dtype} overflows"));
+        };
+        if let [start, end] = offsets[..] {
+            if end < start || end > data_len {
+                return Some(format!(
+                    "tensor {name}: data_offsets [{start}, {end}] lie outside the file's {data_len} data bytes"
+                ));
+            }
+            if end - start != bytes {
+                return Some(format!(
+                    "tensor {name}: shape {shape:?} of {dtype} is {bytes} bytes but its data_offsets [{start}, {end}] span {}",
+                    end - start
+                ));
+            }
+        }
+    }
+    None
+}
+
 /// Loads the weights of an HF Qwen3 checkpoint directory (`model.safetensors`, or the shards of
 /// `model.safetensors.index.json`), checked against [`param_specs`], as `dtype` on `device`.
 pub fn load_hf_weights(
@@ -118,7 +177,7 @@ pub fn load_hf_weights(
     let single = dir.join(SAFE_WEIGHTS_NAME);
     let index = dir.join(SAFE_WEIGHTS_INDEX_NAME);
     if single.is_file() {
-        files.push((single, Vec::new()));
+        files.push((single.clone(), Vec::new()));
     } else if index.is_file() {
         let text = std::fs::read_to_string(&index).with_context(|| format!("reading {}", index.display()))?;
         let v: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", index.display()))?;
@@ -131,7 +190,7 @@ pub fn load_hf_weights(
             let file = file
                 .as_str()
                 .with_context(|| format!("{}: weight_map[{name:?}] is not a file name", index.display()))?;
-            if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            if file.is_empty() || file.contains('/') || file.contains('\\') || file.starts_with('.') {
                 bail!(
                     "{}: weight_map[{name:?}] = {file:?} is not a plain file name",
                     index.display()
@@ -156,7 +215,19 @@ pub fn load_hf_weights(
     for (fi, (path, listed)) in files.iter().enumerate() {
         // SAFETY: the file is mapped read-only; as with any mmap, it must not be modified while
         // mapped. Every tensor is copied out before this function returns.
-        let st = unsafe { MmapedSafetensors::new(path) }.with_context(|| format!("opening {}", path.display()))?;
+        let st = unsafe { MmapedSafetensors::new(path) }.with_context(|| {
+            let named_by = match listed.first() {
+                Some(first) => format!(
+                    " (named by {SAFE_WEIGHTS_INDEX_NAME} for {} tensors, e.g. {first})",
+                    listed.len()
+                ),
+                None => String::new(),
+            };
+            match header_problem(path) {
+                Some(p) => format!("opening {}{named_by}: {p}", path.display()),
+                None => format!("opening {}{named_by}", path.display()),
+            }
+        })?;
         for name in listed {
             if st.get(name).is_err() {
                 problems.push(format!(
@@ -210,11 +281,15 @@ pub fn load_hf_weights(
         mmaps.push(st);
     }
     let file_list = || {
-        files
+        let list = files
             .iter()
             .map(|(p, _)| p.display().to_string())
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", ");
+        match files.first() {
+            Some((p, _)) if *p == single => list,
+            _ => format!("the shards {} lists ({list})", index.display()),
+        }
     };
     for spec in &specs {
         if !found.contains_key(&spec.name) {

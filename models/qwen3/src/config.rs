@@ -33,6 +33,10 @@ pub const HF_DEFAULT_HEAD_DIM: usize = 128;
 /// transformers' `RotaryEmbeddingConfigMixin.default_theta` (no `rope_theta` anywhere).
 pub const HF_DEFAULT_ROPE_THETA: f64 = 10_000.0;
 
+/// The most decoder layers a config may have (the largest published dense models have a few
+/// hundred); more is taken for a corrupt file.
+pub const MAX_HIDDEN_LAYERS: usize = 10_000;
+
 /// The names accepted by [`Qwen3Config::preset`].
 pub const PRESET_NAMES: [&str; 4] = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"];
 
@@ -437,6 +441,38 @@ impl Qwen3Config {
         }
         if let Some(d) = &self.dtype {
             dtype_from_hf_name(d).with_context(|| format!("dtype / torch_dtype = {d:?}"))?;
+        }
+        // A corrupt config must not make the parameter table huge or its sizes overflow (found by
+        // fuzzing: `num_hidden_layers = 4294967296` made the table allocate without bound).
+        if self.num_hidden_layers > MAX_HIDDEN_LAYERS {
+            bail!(
+                "num_hidden_layers = {}: more than vime supports ({MAX_HIDDEN_LAYERS}); is the config corrupt?",
+                self.num_hidden_layers
+            );
+        }
+        for (what, heads) in [
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+        ] {
+            if heads.checked_mul(self.head_dim).is_none() {
+                bail!("{what} * head_dim = {heads} * {} overflows", self.head_dim);
+            }
+        }
+        let mut total: usize = 0;
+        for s in crate::state_dict::param_specs(self) {
+            // Elements, and bytes of the widest dtype (f64), must fit in usize.
+            let numel = s.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+            match numel
+                .and_then(|n| total.checked_add(n))
+                .filter(|t| t.checked_mul(8).is_some())
+            {
+                Some(t) => total = t,
+                None => bail!(
+                    "parameter {} of shape {:?}: the model's size overflows (is the config corrupt?)",
+                    s.name,
+                    s.shape
+                ),
+            }
         }
         Ok(())
     }

@@ -1,17 +1,20 @@
 //! HF checkpoint save/load: single file and shards, f32 bit-exact and bf16, error messages, HF
-//! file layout. The transformers cross-check is a manual step: set `VIME_KEEP_SAVE_DIR` to keep
-//! checkpoints for `tests/fixtures/check_hf_loads_vime.py`, and `VIME_HF_SAVED_DIR` to load one
-//! written by transformers (see that script).
+//! file layout, and the cross-check with transformers both ways against the fixtures of
+//! `tests/fixtures/gen_checkpoint_fixtures.py`: checkpoints transformers wrote load in vime with
+//! the tensors and logits transformers computed, and what transformers read back from vime's saves
+//! (file bytes, tensors, logits) is what vime writes today.
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::path::Path;
-use vime_kernels::testing::Rng;
+use std::path::{Path, PathBuf};
+use vime_kernels::testing::{rel_err, Rng};
+use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::checkpoint::{
     copy_tokenizer_files, load_config, load_hf_weights, save_hf_checkpoint, DEFAULT_MAX_SHARD_BYTES,
     SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, TOKENIZER_FILES,
 };
 use vime_qwen3::config::Qwen3Config;
+use vime_qwen3::model::Qwen3;
 use vime_qwen3::state_dict::{layer_prefix, param_specs, ParamKind};
 
 mod common;
@@ -417,16 +420,113 @@ fn tokenizer_files_are_copied_when_present() {
     assert_eq!(TOKENIZER_FILES.len(), 8);
 }
 
-/// Manual step, writes checkpoints for `tests/fixtures/check_hf_loads_vime.py` when
-/// `VIME_KEEP_SAVE_DIR` is set: `tied_f32_single/` (tied, f32, one file), `untied_bias_bf16_sharded/`
-/// (untied, attention_bias, bf16, shards) and `untied_f32_sharded/`.
-#[test]
-fn keep_save_dir_for_python_check() {
-    let Ok(root) = std::env::var("VIME_KEEP_SAVE_DIR") else {
-        return;
-    };
-    let root = Path::new(&root);
-    let cases = [
+// ---- cross-checks with transformers (fixtures of gen_checkpoint_fixtures.py) ----------------
+
+fn ckpt_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint")
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
+}
+
+/// FNV-1a 64 as the generator computes it, as 16 hex digits.
+fn fnv1a64(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn f32_le_bytes(t: &Tensor) -> Vec<u8> {
+    bits(t).iter().flat_map(|b| b.to_le_bytes()).collect()
+}
+
+/// The config fields the generator recorded as transformers parsed them, from a vime config.
+fn config_fields(cfg: &Qwen3Config) -> Value {
+    serde_json::json!({
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id.as_ref().map(|e| e.to_vec()).unwrap_or_default(),
+        "dtype": cfg.dtype,
+    })
+}
+
+/// Checks `tensors` (f32 views), the config and vime's logits on the recorded input ids against
+/// a record of what transformers had: config fields, per-tensor dtype (of `stored`), shape and
+/// FNV-1a-64 of the f32 bytes, logits to 1e-5 relative error.
+fn check_against_transformers(
+    what: &str,
+    cfg: &Qwen3Config,
+    tensors: &BTreeMap<String, Tensor>,
+    stored: DType,
+    model_dir: &Path,
+    record: &Value,
+) {
+    assert_eq!(config_fields(cfg), record["config"], "{what}: config fields");
+    let rec = record["tensors"].as_object().unwrap();
+    assert_eq!(
+        tensors.keys().collect::<Vec<_>>(),
+        rec.keys().collect::<Vec<_>>(),
+        "{what}: parameter names"
+    );
+    let dtype_name = vime_qwen3::config::hf_dtype_name(stored).unwrap();
+    for (name, t) in tensors {
+        let r = &rec[name];
+        assert_eq!(r["dtype"], dtype_name, "{what}: {name} dtype");
+        assert_eq!(serde_json::json!(t.dims()), r["shape"], "{what}: {name} shape");
+        let sum = t
+            .to_dtype(DType::F64)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        assert_eq!(
+            fnv1a64(&f32_le_bytes(t)),
+            r["fnv1a64"].as_str().unwrap(),
+            "{what}: {name} differs from what transformers holds (sum {sum} vs {})",
+            r["sum"]
+        );
+    }
+    let ids: Vec<u32> = record["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let expect: Vec<f32> = record["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+        .collect();
+    let model = Qwen3::load_hf(model_dir, DType::F32, &Device::Cpu).unwrap();
+    let logits = model
+        .logits(&PackedBatch::from_sequences(std::slice::from_ref(&ids)).unwrap())
+        .unwrap();
+    let expect = Tensor::from_vec(expect, (ids.len(), cfg.vocab_size), &Device::Cpu).unwrap();
+    let e = rel_err(&logits, &expect).unwrap();
+    assert!(e <= 1e-5, "{what}: logits vs transformers: relative error {e:.3e}");
+}
+
+/// The checkpoints `gen_checkpoint_fixtures.py` has transformers read: seeded random tensors saved
+/// as (name, config, save dtype, max shard bytes).
+fn vime_save_cases() -> Vec<(&'static str, Qwen3Config, DType, u64)> {
+    vec![
         (
             "tied_f32_single",
             tiny(true, false),
@@ -435,32 +535,73 @@ fn keep_save_dir_for_python_check() {
         ),
         ("untied_bias_bf16_sharded", tiny(false, true), DType::BF16, 3000),
         ("untied_f32_sharded", tiny(false, false), DType::F32, 5000),
-    ];
-    for (i, (name, cfg, dtype, max)) in cases.into_iter().enumerate() {
+    ]
+}
+
+/// vime -> transformers. Saves the cases of [`vime_save_cases`] (into `VIME_KEEP_SAVE_DIR` when
+/// set, for the generator and for `check_hf_loads_vime.py`) and checks them against
+/// `hf_reads_vime.json`, what transformers read from the same saves: the weight files byte for
+/// byte, the config fields, every tensor, and the logits.
+#[test]
+fn vime_saved_checkpoints_read_back_by_transformers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = std::env::var("VIME_KEEP_SAVE_DIR").map_or_else(|_| tmp.path().to_path_buf(), PathBuf::from);
+    let cases = vime_save_cases();
+    for (i, (name, cfg, dtype, max)) in cases.iter().enumerate() {
         let dir = root.join(name);
-        save_hf_checkpoint(&dir, &cfg, &random_tensors(&cfg, 100 + i as u64), dtype, max).unwrap();
+        save_hf_checkpoint(&dir, cfg, &random_tensors(cfg, 100 + i as u64), *dtype, *max).unwrap();
         eprintln!("saved {}", dir.display());
+    }
+    let record = read_json(&ckpt_fixtures().join("hf_reads_vime.json"));
+    for (i, (name, cfg, dtype, _)) in cases.iter().enumerate() {
+        let dir = root.join(name);
+        let rec = &record[*name];
+        let files = rec["files"].as_object().unwrap();
+        let ours: Vec<String> = file_names(&dir)
+            .into_iter()
+            .filter(|f| f.ends_with(".safetensors") || f.ends_with(".index.json"))
+            .collect();
+        assert_eq!(ours, files.keys().cloned().collect::<Vec<_>>(), "{name}: weight files");
+        for (f, h) in files {
+            assert_eq!(
+                fnv1a64(&std::fs::read(dir.join(f)).unwrap()),
+                h.as_str().unwrap(),
+                "{name}/{f} differs from the file transformers read; if the change is intended, \
+                 re-run models/qwen3/tests/fixtures/gen_checkpoint_fixtures.py"
+            );
+        }
+        // What was saved, as the values the file holds (rounded to the save dtype).
+        let saved: BTreeMap<String, Tensor> = random_tensors(cfg, 100 + i as u64)
+            .into_iter()
+            .map(|(k, t)| (k, t.to_dtype(*dtype).unwrap().to_dtype(DType::F32).unwrap()))
+            .collect();
+        let mut saved_cfg = cfg.clone();
+        saved_cfg.dtype = Some(vime_qwen3::config::hf_dtype_name(*dtype).unwrap().into());
+        check_against_transformers(name, &saved_cfg, &saved, *dtype, &dir, rec);
     }
 }
 
-/// Manual step: loads a checkpoint that transformers wrote (`check_hf_loads_vime.py --write-hf DIR`)
-/// when `VIME_HF_SAVED_DIR` is set, and compares with the reference dump the script wrote next to it.
+/// transformers -> vime: loads the checkpoints transformers wrote (`hf_saved/<case>/`) and checks
+/// the config, every tensor and the logits against what transformers computed (`expected.json`).
 #[test]
 fn load_checkpoint_written_by_transformers() {
-    let Ok(dir) = std::env::var("VIME_HF_SAVED_DIR") else {
-        return;
-    };
-    let dir = Path::new(&dir);
-    let cfg = load_config(dir).unwrap();
-    let got = load_hf_weights(dir, &cfg, DType::F32, &Device::Cpu).unwrap();
-    // reference.safetensors: every parameter as f32, tied lm_head excluded, written by the script.
-    let reference =
-        candle_core::safetensors::load(dir.join("reference").join("reference.safetensors"), &Device::Cpu).unwrap();
-    let reference: BTreeMap<String, Tensor> = reference.into_iter().collect();
-    assert_same(&reference, &got);
-    eprintln!(
-        "loaded {} tensors written by transformers from {}",
-        got.len(),
-        dir.display()
-    );
+    for (case, stored) in [
+        ("tied_f32_single", DType::F32),
+        ("untied_bias_bf16_sharded", DType::BF16),
+    ] {
+        let dir = ckpt_fixtures().join("hf_saved").join(case);
+        let cfg = load_config(&dir).unwrap();
+        let got = load_hf_weights(&dir, &cfg, DType::F32, &Device::Cpu).unwrap();
+        let record = read_json(&dir.join("expected.json"));
+        check_against_transformers(case, &cfg, &got, stored, &dir, &record);
+        // Loaded in the stored dtype, the values are the same.
+        let native = load_hf_weights(&dir, &cfg, stored, &Device::Cpu).unwrap();
+        assert!(native.values().all(|t| t.dtype() == stored), "{case}");
+        assert_same(&got, &native);
+    }
+    // The sharded one really is sharded, the single one is one file.
+    let names = file_names(&ckpt_fixtures().join("hf_saved/untied_bias_bf16_sharded"));
+    assert!(names.contains(&SAFE_WEIGHTS_INDEX_NAME.to_string()), "{names:?}");
+    let names = file_names(&ckpt_fixtures().join("hf_saved/tied_f32_single"));
+    assert!(names.contains(&SAFE_WEIGHTS_NAME.to_string()), "{names:?}");
 }

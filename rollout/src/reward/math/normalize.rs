@@ -253,12 +253,15 @@ fn remove_noise(t: &[char]) -> Vec<char> {
     out
 }
 
-fn ws_run(t: &[char], i: usize) -> usize {
-    let mut k = i;
-    while k < t.len() && t[k].is_whitespace() {
-        k += 1;
+/// `runs[i]`: where the whitespace run starting at `i` ends (`i` itself when `t[i]` is not
+/// whitespace), for every `i` in `0..=t.len()`. Computed once per string: scanning the run again
+/// at every position made long whitespace runs quadratic (found by fuzzing).
+fn ws_runs(t: &[char]) -> Vec<usize> {
+    let mut runs = vec![t.len(); t.len() + 1];
+    for i in (0..t.len()).rev() {
+        runs[i] = if t[i].is_whitespace() { runs[i + 1] } else { i };
     }
-    k
+    runs
 }
 
 fn word_boundary(t: &[char], i: usize) -> bool {
@@ -268,8 +271,10 @@ fn word_boundary(t: &[char], i: usize) -> bool {
 }
 
 /// One replacement tried at `i`: `Some((consumed, replacement))`.
-fn replacement_at(t: &[char], i: usize) -> Option<(usize, &'static str)> {
+fn replacement_at(t: &[char], runs: &[usize], i: usize) -> Option<(usize, &'static str)> {
     let c = t[i];
+    // `\s*` from k: where the whitespace run at k ends.
+    let ws = |k: usize| runs.get(k).copied().unwrap_or(k);
     // math: \\math(?:rm|it|bf)
     for w in ["\\mathrm", "\\mathit", "\\mathbf"] {
         if starts_at(t, i, w) {
@@ -302,11 +307,11 @@ fn replacement_at(t: &[char], i: usize) -> Option<(usize, &'static str)> {
     }
     // comma: \s*\{\s*,\s*\}
     {
-        let k = ws_run(t, i);
+        let k = ws(i);
         if t.get(k) == Some(&'{') {
-            let k = ws_run(t, k + 1);
+            let k = ws(k + 1);
             if t.get(k) == Some(&',') {
-                let k = ws_run(t, k + 1);
+                let k = ws(k + 1);
                 if t.get(k) == Some(&'}') {
                     return Some((k + 1 - i, ","));
                 }
@@ -320,7 +325,7 @@ fn replacement_at(t: &[char], i: usize) -> Option<(usize, &'static str)> {
             k += 1;
         }
         // \s* is greedy and "and"/"or" cannot start with a space, so only the full run counts.
-        let k = ws_run(t, k);
+        let k = ws(k);
         for w in ["and", "or"] {
             if starts_at(t, k, w) && !t.get(k + w.len()).is_some_and(|c| c.is_ascii_alphabetic()) {
                 return Some((k + w.len() - i, ","));
@@ -333,12 +338,12 @@ fn replacement_at(t: &[char], i: usize) -> Option<(usize, &'static str)> {
         if t.get(k) == Some(&',') {
             k += 1;
         }
-        let k = ws_run(t, k);
+        let k = ws(k);
         if starts_at(t, k, "\\text{") {
-            let k = ws_run(t, k + 6);
+            let k = ws(k + 6);
             for w in ["and", "or"] {
                 if starts_at(t, k, w) {
-                    let m = ws_run(t, k + w.len());
+                    let m = ws(k + w.len());
                     if t.get(m) == Some(&'}') {
                         return Some((m + 1 - i, ","));
                     }
@@ -367,7 +372,7 @@ fn replacement_at(t: &[char], i: usize) -> Option<(usize, &'static str)> {
         ("percent", "\\text{percent}"),
         ("pct", "\\text{pct}"),
     ] {
-        let k = ws_run(t, i);
+        let k = ws(i);
         if starts_at(t, k, word) && word_boundary(t, k) && word_boundary(t, k + word.len()) {
             return Some((k + word.len() - i, "\\%"));
         }
@@ -389,9 +394,10 @@ fn replacement_at(t: &[char], i: usize) -> Option<(usize, &'static str)> {
 /// math-verify's `replace_in_latex`: one left-to-right pass over all the replacement patterns.
 fn replace_in_latex(t: &[char]) -> Vec<char> {
     let mut out = Vec::with_capacity(t.len());
+    let runs = ws_runs(t);
     let mut i = 0;
     while i < t.len() {
-        if let Some((n, rep)) = replacement_at(t, i) {
+        if let Some((n, rep)) = replacement_at(t, &runs, i) {
             out.extend(rep.chars());
             i += n.max(1);
         } else {
@@ -573,14 +579,23 @@ fn strip_unit_word(t: &[char]) -> Vec<char> {
             false
         })
     };
+    // A unit can only start where the whitespace run after p ends, or up to `lead` characters
+    // before (units that begin with a space): trying every k of the run, for every p in it, made
+    // long runs quadratic (found by fuzzing: 4000 spaces inside `$...$` took 2.6 s).
+    let lead = UNITS
+        .iter()
+        .map(|u| u.chars().take_while(|c| c.is_whitespace()).count())
+        .max()
+        .unwrap_or(0);
+    let run_end = ws_runs(t);
     for p in 0..t.len() {
         let c = t[p];
         if !(c.is_numeric() || c == '}' || c.is_whitespace()) {
             continue;
         }
-        // \s* is greedy but may give back: any k in p+1..=ws_end.
-        let ws_end = ws_run(t, p + 1);
-        for k in (p + 1..=ws_end).rev() {
+        // \s* is greedy but may give back: any k in p+1..=ws_end that can start a unit.
+        let ws_end = run_end[p + 1];
+        for k in (ws_end.saturating_sub(lead).max(p + 1)..=ws_end).rev() {
             if tail_is_unit(k) {
                 return t[..=p].to_vec();
             }
