@@ -31,6 +31,13 @@
 //!   are retried with exponential backoff, preferring engines that have not failed this request;
 //!   other 4xx fail at once with the engine's message. Everything is bounded: `max_retries`,
 //!   `request_timeout` per attempt, `retry_backoff_max`.
+//! - Liveness: `/health` stays 200 while a vLLM engine is wedged (in a weight transfer, a stuck
+//!   collective), and a stopped process does not answer at all, so an attempt that has waited
+//!   `liveness_interval` gets its engine probed by a 1-token completion that must answer within
+//!   `liveness_timeout` (one probe per engine at a time, its verdict shared by every request on it).
+//!   A failed probe fails the attempt as retryable, naming the engine as hung, and new requests
+//!   avoid that engine until it answers again. Through a router the registered engines are probed
+//!   the same way (`prune_dead_workers`) and a hung one is deregistered.
 //! - Engine choice without a router: least in-flight requests, ties broken round-robin.
 //! - Backpressure: a semaphore of `max_concurrent_requests` HTTP requests across all engines.
 //! - The trait is sync; the client owns a tokio runtime and blocks on it (from a helper thread when
@@ -76,6 +83,10 @@ pub struct VllmClientConfig {
     /// First backoff; doubles per retry up to `retry_backoff_max`.
     pub retry_backoff: Duration,
     pub retry_backoff_max: Duration,
+    /// An attempt that has waited this long gets its engine probed (see the module docs).
+    pub liveness_interval: Duration,
+    /// How long the 1-token probe may take before the engine counts as hung.
+    pub liveness_timeout: Duration,
 }
 
 impl Default for VllmClientConfig {
@@ -90,6 +101,8 @@ impl Default for VllmClientConfig {
             max_retries: 5,
             retry_backoff: Duration::from_millis(500),
             retry_backoff_max: Duration::from_secs(8),
+            liveness_interval: Duration::from_secs(60),
+            liveness_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -103,13 +116,21 @@ pub struct ClientStats {
     pub retries: u64,
     /// Generation requests given up on.
     pub failed: u64,
-    /// Engines deregistered from the router because they stopped answering `/health`.
+    /// Engines deregistered from the router because they stopped answering `/health` or a
+    /// 1-token probe.
     pub deregistered_dead: u64,
+    /// Liveness probes sent (1-token completions), and those that failed.
+    pub liveness_probes: u64,
+    pub hung_detected: u64,
 }
 
 struct EngineSlot {
     url: String,
     in_flight: AtomicUsize,
+    /// The last liveness probe: when it ended and why it failed (`None`: the engine answered).
+    probe: tokio::sync::Mutex<Option<(Instant, Option<String>)>>,
+    /// The last probe failed: new requests go elsewhere while another engine is usable.
+    hung: AtomicBool,
 }
 
 struct Inner {
@@ -135,6 +156,8 @@ struct Inner {
     completed: AtomicU64,
     retries: AtomicU64,
     failed: AtomicU64,
+    liveness_probes: AtomicU64,
+    hung_detected: AtomicU64,
 }
 
 /// A [`RolloutEngine`] backed by vLLM 0.33 HTTP engines (or `vime-serve`).
@@ -186,6 +209,8 @@ impl VllmClient {
         let slot = |u: &String| EngineSlot {
             url: trim_url(u),
             in_flight: AtomicUsize::new(0),
+            probe: tokio::sync::Mutex::new(None),
+            hung: AtomicBool::new(false),
         };
         let inner = Arc::new(Inner {
             engines: cfg.engine_urls.iter().map(slot).collect(),
@@ -205,6 +230,8 @@ impl VllmClient {
             completed: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            liveness_probes: AtomicU64::new(0),
+            hung_detected: AtomicU64::new(0),
         });
         let client = Self { inner, rt: Some(rt) };
         if client.inner.router.is_some() {
@@ -256,6 +283,8 @@ impl VllmClient {
             retries: self.inner.retries.load(Ordering::Relaxed),
             failed: self.inner.failed.load(Ordering::Relaxed),
             deregistered_dead: self.inner.deregistered_dead.load(Ordering::Relaxed),
+            liveness_probes: self.inner.liveness_probes.load(Ordering::Relaxed),
+            hung_detected: self.inner.hung_detected.load(Ordering::Relaxed),
         }
     }
 
@@ -488,11 +517,13 @@ impl Inner {
         }
         let n = self.engines.len();
         let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        let usable = |i: usize| !failed.contains(&i) && !self.engines[i].hung.load(Ordering::Relaxed);
         let fresh = (0..n).any(|i| !failed.contains(&i));
+        let any_usable = (0..n).any(usable);
         let mut best: Option<(usize, usize)> = None;
         for k in 0..n {
             let i = (start + k) % n;
-            if fresh && failed.contains(&i) {
+            if (any_usable && !usable(i)) || (fresh && failed.contains(&i)) {
                 continue;
             }
             let load = self.engines[i].in_flight.load(Ordering::Relaxed);
@@ -551,10 +582,15 @@ impl Inner {
             let (slot_idx, slot) = self.pick(&failed);
             slot.in_flight.fetch_add(1, Ordering::Relaxed);
             let guard = InFlight(&slot.in_flight);
-            let res = self.attempt_completion(&slot.url, &body, r.prompt_ids.len()).await;
+            let dead_before = self.deregistered_dead.load(Ordering::SeqCst);
+            let res = tokio::select! {
+                r = self.attempt_completion(&slot.url, &body, r.prompt_ids.len()) => r,
+                why = self.watch_liveness(slot, dead_before) => Err(AttemptError { retryable: true, message: why }),
+            };
             drop(guard);
             match res {
                 Ok(out) => {
+                    slot.hung.store(false, Ordering::Relaxed);
                     self.completed.fetch_add(1, Ordering::Relaxed);
                     return Ok(out);
                 }
@@ -601,6 +637,88 @@ impl Inner {
             "vLLM engine(s) {} did not answer request {idx} after {attempts} attempts; last error from {last_url}: {last_err}{dead}",
             tried.join(", ")
         )
+    }
+
+    /// Resolves only when the engine of an attempt is found hung (see the module docs): every
+    /// `liveness_interval` (at once when the engine was found hung before), a shared 1-token
+    /// probe of the engine; through a router, a probe of every registered engine, and the attempt
+    /// is given up when one was deregistered since it started (`dead_before`).
+    async fn watch_liveness(&self, slot: &EngineSlot, dead_before: u64) -> String {
+        let started = Instant::now();
+        let mut first = true;
+        loop {
+            if !(first && slot.hung.load(Ordering::Relaxed)) {
+                tokio::time::sleep(self.cfg.liveness_interval).await;
+            }
+            first = false;
+            if self.user_paused.load(Ordering::SeqCst) {
+                continue;
+            }
+            if self.router.is_some() {
+                self.prune_dead_workers().await;
+                if self.deregistered_dead.load(Ordering::SeqCst) > dead_before {
+                    let dead = self.dead.lock().unwrap().join(", ");
+                    return format!(
+                        "no answer after {:?}, and an engine behind the router was found down meanwhile: {dead}",
+                        started.elapsed()
+                    );
+                }
+                continue;
+            }
+            if let Some(why) = self.liveness(slot).await {
+                return format!(
+                    "engine hung: no answer after {:?}, and {why} (GET /health is not enough: vLLM answers it while wedged)",
+                    started.elapsed()
+                );
+            }
+        }
+    }
+
+    /// The engine's liveness, probed at most once per `liveness_interval` (other requests share
+    /// the verdict): `None` when it generated a token in time, else why not.
+    async fn liveness(&self, slot: &EngineSlot) -> Option<String> {
+        let mut last = slot.probe.lock().await;
+        if let Some((at, verdict)) = &*last {
+            if at.elapsed() < self.cfg.liveness_interval {
+                return verdict.clone();
+            }
+        }
+        let verdict = self.probe_generates(&slot.url).await;
+        slot.hung.store(verdict.is_some(), Ordering::Relaxed);
+        *last = Some((Instant::now(), verdict.clone()));
+        verdict
+    }
+
+    /// A 1-token completion on `base` within `liveness_timeout`: `None` when the engine answered
+    /// (a completion, or 503 when it is paused), else why not.
+    async fn probe_generates(&self, base: &str) -> Option<String> {
+        self.liveness_probes.fetch_add(1, Ordering::Relaxed);
+        let mut body = json!({"prompt": [0], "max_tokens": 1, "temperature": 0.0, "n": 1});
+        if let Some(m) = &self.cfg.model {
+            body["model"] = json!(m);
+        }
+        let timeout = self.cfg.liveness_timeout;
+        let sent = self
+            .http
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .timeout(timeout)
+            .send()
+            .await;
+        let why = match sent {
+            Ok(r) if r.status().is_success() => match r.text().await {
+                Ok(_) => return None,
+                Err(e) => classify(e).message,
+            },
+            Ok(r) if r.status().as_u16() == 503 => return None,
+            Ok(r) if !r.status().is_server_error() => return None,
+            Ok(r) => format!("answered {}", r.status()),
+            Err(e) => classify(e).message,
+        };
+        self.hung_detected.fetch_add(1, Ordering::Relaxed);
+        Some(format!(
+            "a 1-token probe (POST {base}/v1/completions, max_tokens 1, deadline {timeout:?}) failed: {why}"
+        ))
     }
 
     fn engine_list(&self) -> String {
@@ -735,9 +853,11 @@ impl Inner {
             .to_string();
         let we_paused = !self.user_paused.load(Ordering::SeqCst);
         if we_paused {
-            self.pause_all(PauseMode::Keep)
-                .await
-                .context("pausing the engines for a weight update")?;
+            if let Err(e) = self.pause_all(PauseMode::Keep).await {
+                // The engines that did pause would hold every later request: resumed, best effort.
+                let _ = self.resume_all().await;
+                return Err(e.context("pausing the engines for a weight update"));
+            }
         }
         let body = json!({"method": "reload_weights", "args": [], "kwargs": {"weights_path": path}});
         let reload = self
@@ -811,9 +931,11 @@ impl Inner {
 
     /// Through a router a failed attempt may mean that a worker behind it died, and the router may
     /// keep picking it (vllm-router's health check runs every 60 s by default). So every registered
-    /// engine's `GET /health` is probed (2 s each, concurrently) and the ones that do not answer, or
-    /// answer 5xx (vLLM's dead engine core), are deregistered (`DELETE /workers/{url}`): the retry
-    /// then goes to the living. At most one probe per second; a sleeping engine answers 200 and stays.
+    /// engine's `GET /health` is probed (2 s each, concurrently), then a 1-token completion (within
+    /// `liveness_timeout`: `/health` stays 200 while vLLM is wedged), and the ones that do not
+    /// answer, or answer 5xx (vLLM's dead engine core), are deregistered (`DELETE /workers/{url}`):
+    /// the retry then goes to the living. At most one probe per second; it runs during a rollout
+    /// only, when no engine sleeps.
     async fn prune_dead_workers(&self) {
         let mut last = self.last_prune.lock().await;
         if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
@@ -828,7 +950,7 @@ impl Inner {
                 .send()
                 .await
             {
-                Ok(r) if !r.status().is_server_error() => None,
+                Ok(r) if !r.status().is_server_error() => self.probe_generates(u).await,
                 Ok(r) => Some(format!("GET /health answered {}", r.status())),
                 Err(e) => Some(classify(e).message),
             }
@@ -1275,6 +1397,14 @@ pub struct VllmArgs {
     /// Retries per request after connection errors, timeouts and 5xx.
     #[arg(long, default_value_t = 5)]
     pub vllm_max_retries: u32,
+    /// vime: seconds a generation request waits before its engine is probed with a 1-token
+    /// completion (vLLM's /health stays 200 while an engine is wedged).
+    #[arg(long, default_value_t = 60.0)]
+    pub vllm_liveness_interval: f64,
+    /// vime: seconds that probe may take before the engine counts as hung (the request is then
+    /// retried on another engine).
+    #[arg(long, default_value_t = 60.0)]
+    pub vllm_liveness_timeout: f64,
     /// Start the engines here (`--vllm-command` MODEL ...) instead of connecting to running ones.
     #[arg(long)]
     pub vllm_launch: bool,
@@ -1359,6 +1489,8 @@ impl VllmArgs {
             max_concurrent_requests: self.vllm_max_concurrent_requests,
             request_timeout: Duration::from_secs_f64(self.vllm_request_timeout),
             max_retries: self.vllm_max_retries,
+            liveness_interval: Duration::from_secs_f64(self.vllm_liveness_interval),
+            liveness_timeout: Duration::from_secs_f64(self.vllm_liveness_timeout),
             ..Default::default()
         }
     }

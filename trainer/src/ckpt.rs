@@ -16,7 +16,12 @@
 //! checkpoint; a stale temp folder from a crashed save is removed by the next save.
 //!
 //! `VIME_FAULT_INJECT=ckpt-abort-before-rename` aborts the process after the files are written and
-//! before the rename: the resume tests use it to kill a save midway for real.
+//! before the rename: the resume tests use it to kill a save midway for real. The fault-matrix
+//! tests SIGKILL it at three more points (`crate::train::fault`): `save-files` (`hf/` written,
+//! the optimizer state not), `save-renamed`, `save-latest`.
+//!
+//! Errors name the file or folder that failed (a full disk, a read-only `--save`), and a failed
+//! save leaves the previous checkpoint as `latest`; its temp folder is removed by the next save.
 use crate::critic::Critic;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -122,6 +127,17 @@ fn write_safetensors(path: &Path, tensors: &BTreeMap<String, Tensor>) -> Result<
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// Fails at the start of a run, naming the folder, when `root` cannot take checkpoints (read-only,
+/// not a folder, no permission): a temp file is created there and removed. A full disk still
+/// shows only at a save.
+pub fn check_save_dir(root: &Path) -> Result<()> {
+    fs::create_dir_all(root).with_context(|| format!("creating the checkpoint folder --save {}", root.display()))?;
+    let probe = root.join(format!(".write-test-{}", std::process::id()));
+    fs::write(&probe, b"")
+        .and_then(|_| fs::remove_file(&probe))
+        .with_context(|| format!("the checkpoint folder --save {} is not writable", root.display()))
+}
+
 /// Writes a checkpoint for `contents.state.step` under `root` and points `latest` at it.
 /// Returns the checkpoint folder.
 pub fn save(root: &Path, contents: &CheckpointContents) -> Result<PathBuf> {
@@ -132,22 +148,30 @@ pub fn save(root: &Path, contents: &CheckpointContents) -> Result<PathBuf> {
     if tmp.exists() {
         fs::remove_dir_all(&tmp).with_context(|| format!("removing a stale {}", tmp.display()))?;
     }
-    fs::create_dir_all(&tmp)?;
+    fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let hf = tmp.join("hf");
     contents
         .model
-        .save_hf(&tmp.join("hf"), contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)?;
+        .save_hf(&hf, contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)
+        .with_context(|| format!("writing the model to {}", hf.display()))?;
     if let Some(tok) = contents.tokenizer_dir {
-        copy_tokenizer_files(tok, &tmp.join("hf"))?;
+        copy_tokenizer_files(tok, &hf).with_context(|| format!("copying the tokenizer files to {}", hf.display()))?;
     }
+    crate::train::fault::at("save-files")?;
     write_safetensors(&tmp.join("optimizer.safetensors"), contents.optimizer)?;
     if let Some((critic, critic_opt)) = contents.critic {
-        critic.save(&tmp.join("critic"), contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)?;
+        let dir = tmp.join("critic");
+        critic
+            .save(&dir, contents.model_dtype, DEFAULT_MAX_SHARD_BYTES)
+            .with_context(|| format!("writing the critic to {}", dir.display()))?;
         write_safetensors(&tmp.join("critic_optimizer.safetensors"), critic_opt)?;
     }
     if !contents.extra_tensors.is_empty() {
         write_safetensors(&tmp.join("extra.safetensors"), contents.extra_tensors)?;
     }
-    fs::write(tmp.join("state.json"), serde_json::to_vec_pretty(contents.state)?)?;
+    let state_path = tmp.join("state.json");
+    fs::write(&state_path, serde_json::to_vec_pretty(contents.state)?)
+        .with_context(|| format!("writing {}", state_path.display()))?;
     fsync_tree(&tmp)?;
     if std::env::var("VIME_FAULT_INJECT").as_deref() == Ok("ckpt-abort-before-rename") {
         eprintln!("VIME_FAULT_INJECT: aborting while saving {}", tmp.display());
@@ -158,17 +182,23 @@ pub fn save(root: &Path, contents: &CheckpointContents) -> Result<PathBuf> {
         // Re-saving a step (e.g. after a resume): the new one replaces it only once complete.
         let old = root.join(format!(".old-{name}"));
         let _ = fs::remove_dir_all(&old);
-        fs::rename(&dst, &old)?;
-        fs::rename(&tmp, &dst)?;
-        fs::remove_dir_all(&old)?;
+        fs::rename(&dst, &old).with_context(|| format!("renaming {} to {}", dst.display(), old.display()))?;
+        fs::rename(&tmp, &dst).with_context(|| format!("renaming {} to {}", tmp.display(), dst.display()))?;
+        fs::remove_dir_all(&old).with_context(|| format!("removing {}", old.display()))?;
     } else {
         fs::rename(&tmp, &dst).with_context(|| format!("renaming {} to {}", tmp.display(), dst.display()))?;
     }
     fsync_dir(root)?;
+    crate::train::fault::at("save-renamed")?;
     let ptr_tmp = root.join(format!(".{LATEST_FILE}.tmp"));
-    fs::write(&ptr_tmp, step.to_string())?;
-    fs::File::open(&ptr_tmp)?.sync_all()?;
-    fs::rename(&ptr_tmp, root.join(LATEST_FILE))?;
+    let latest = root.join(LATEST_FILE);
+    (|| -> std::io::Result<()> {
+        fs::write(&ptr_tmp, step.to_string())?;
+        fs::File::open(&ptr_tmp)?.sync_all()
+    })()
+    .with_context(|| format!("writing {}", ptr_tmp.display()))?;
+    crate::train::fault::at("save-latest")?;
+    fs::rename(&ptr_tmp, &latest).with_context(|| format!("renaming {} to {}", ptr_tmp.display(), latest.display()))?;
     fsync_dir(root)?;
     Ok(dst)
 }

@@ -62,6 +62,12 @@ impl JsonlWriter {
     /// [`Self::log`] with a given wall time (Unix seconds).
     pub fn log_at(&mut self, step: u64, time: f64, metrics: &BTreeMap<String, f64>) -> Result<()> {
         let line = format_line(step, time, metrics)?;
+        if crate::train::fault::kill_due("metrics") {
+            // A torn write, as a kill mid-`write_all` leaves it.
+            let _ = self.file.write_all(&line.as_bytes()[..line.len() / 2]);
+            let _ = self.file.flush();
+            crate::train::fault::kill("metrics");
+        }
         self.file
             .write_all(line.as_bytes())
             .with_context(|| format!("writing {}", self.path.display()))?;
@@ -184,12 +190,24 @@ fn truncate_after_step(path: &Path, step: u64) -> Result<()> {
 }
 
 /// Writes `bytes` to a temp file beside `path`, fsyncs it, renames it over `path` and fsyncs the
-/// folder.
+/// folder. Temp files of `path` that a killed process left (another pid) are removed first.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path
         .file_name()
         .with_context(|| format!("{} has no file name", path.display()))?;
-    let tmp = path.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let prefix = format!(".{}.tmp-", name.to_string_lossy());
+    let tmp = path.with_file_name(format!("{prefix}{}", std::process::id()));
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if let Ok(entries) = fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) && e.path() != tmp {
+                let _ = fs::remove_file(e.path());
+            }
+        }
+    }
     let result = (|| -> Result<()> {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -207,6 +225,41 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// [`read_metrics`] line by line: `row(step, metrics)` for each line, in file order, same rules.
+/// What a plot drawn after every step needs, without holding the whole (growing) file and every
+/// line's metrics in memory each time.
+pub fn for_each_metrics_line(path: &Path, mut row: impl FnMut(u64, BTreeMap<String, f64>)) -> Result<()> {
+    use std::io::BufRead;
+    let file = File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut reader = std::io::BufReader::new(file);
+    let (mut line, mut number) = (Vec::new(), 0);
+    loop {
+        line.clear();
+        let n = reader
+            .read_until(b'\n', &mut line)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        number += 1;
+        let torn = line.last() != Some(&b'\n');
+        let text = line.strip_suffix(b"\n").unwrap_or(&line);
+        if text.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        match parse_line(text) {
+            Ok((step, metrics)) => row(step, metrics),
+            Err(_) if torn => {
+                eprintln!(
+                    "warning: {}:{number}: skipping a torn last line (no newline)",
+                    path.display()
+                );
+            }
+            Err(e) => bail!("{}:{number}: malformed metrics line: {e}", path.display()),
+        }
+    }
 }
 
 /// Reads a JSONL metrics file back: `(step, metrics)` per line, in file order. Nulls are skipped;

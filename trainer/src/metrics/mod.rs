@@ -19,7 +19,7 @@ pub mod jsonl;
 pub mod plot;
 pub mod tensorboard;
 
-pub use jsonl::{read_metrics, JsonlWriter};
+pub use jsonl::{for_each_metrics_line, read_metrics, JsonlWriter};
 pub use plot::{plot_metrics_file, plot_png, Panel, Series};
 pub use tensorboard::{crc32c, masked_crc32c, read_scalars, TbWriter};
 

@@ -17,8 +17,9 @@
 //! - The legend sits between the panel title and the plot, so it never hides data.
 //! - The file is written atomically (temp file, fsync, rename).
 use super::font::{self, GLYPH_H, GLYPH_W};
-use super::jsonl::{read_metrics, write_atomic};
+use super::jsonl::{for_each_metrics_line, write_atomic};
 use anyhow::{Context, Result};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// One curve: `points` are (x = step, y = value).
@@ -110,7 +111,20 @@ pub fn plot_png(out: &Path, title: &str, panels: &[Panel]) -> Result<()> {
 /// Reads a JSONL metrics file and plots, per `(panel title, metric keys)`, one series per key
 /// (x = step). Keys absent from the file are skipped.
 pub fn plot_metrics_file(jsonl: &Path, out: &Path, title: &str, panels: &[(&str, &[&str])]) -> Result<()> {
-    let rows = read_metrics(jsonl)?;
+    // Only the plotted points are kept, line by line (the file grows with every step).
+    let mut points: BTreeMap<&str, Vec<(f64, f64)>> = BTreeMap::new();
+    for (_, keys) in panels {
+        for k in keys.iter() {
+            points.insert(k, Vec::new());
+        }
+    }
+    for_each_metrics_line(jsonl, |step, m| {
+        for (k, v) in m {
+            if let Some(p) = points.get_mut(k.as_str()) {
+                p.push((step as f64, v));
+            }
+        }
+    })?;
     let panels: Vec<Panel> = panels
         .iter()
         .map(|(panel_title, keys)| Panel {
@@ -118,10 +132,7 @@ pub fn plot_metrics_file(jsonl: &Path, out: &Path, title: &str, panels: &[(&str,
             series: keys
                 .iter()
                 .filter_map(|key| {
-                    let points: Vec<(f64, f64)> = rows
-                        .iter()
-                        .filter_map(|(step, m)| m.get(*key).map(|&v| (*step as f64, v)))
-                        .collect();
+                    let points = points.get(key).cloned().unwrap_or_default();
                     (!points.is_empty()).then(|| Series {
                         label: key.to_string(),
                         points,

@@ -166,6 +166,11 @@ pub struct TrainArgs {
     /// `tokens x heads x head_dim` bf16 per layer.
     #[arg(long)]
     pub recompute_keep_attention: bool,
+    /// Megatron's flag: stop the run, naming the step, at a NaN/Inf in a loss, a gradient or a
+    /// reward. Without it vime still checks every step and skips one that is not finite (no
+    /// update; counted in `train/skipped_steps`); Megatron's default is to stop.
+    #[arg(long)]
+    pub check_for_nan_in_loss_and_grad: bool,
 
     // ---- parallelism ---------------------------------------------------------------------
     #[command(flatten)]

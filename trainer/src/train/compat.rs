@@ -108,6 +108,7 @@ pub const COMPAT: &[CompatFlag] = &[
     f("--save-hf", One, Always, Any, "every checkpoint holds the HF folder iter_N/hf (config.json, safetensors, tokenizer)"),
     f("--vllm-weight-sync-packed", Switch, Always, Any, "weights always stream in packed buckets of --update-weight-buffer-size"),
     // ---- accepted, unused ---------------------------------------------------------------------
+    f("--no-check-for-nan-in-loss-and-grad", Switch, Unused, Any, "vime always checks: a step with a non-finite loss or gradient is skipped and counted (train/skipped_steps); --check-for-nan-in-loss-and-grad stops the run instead"),
     f("--num-gpus-per-node", One, Unused, Any, "vime reads the GPU count from the driver"),
     f("--no-save-optim", Switch, Unused, Any, "vime always saves the optimizer state, so that a resume continues exactly"),
     f("--log-probs-max-tokens-per-gpu", One, Unused, Any, "log-prob passes pack by --max-tokens-per-gpu (and run long sequences in query chunks)"),

@@ -27,6 +27,13 @@
 //!   and for `--use-tis`.
 //! - Ctrl-C finishes the current phase, writes the plot and returns (a second Ctrl-C exits at
 //!   once). No checkpoint is written on interrupt; `--load` resumes from the last saved one.
+//! - NaN/Inf: an optimizer step whose loss or gradients are not finite on any rank is not applied
+//!   (`step`'s guard) and counted in `train/skipped_steps`; a reward that is not finite is counted in
+//!   `rollout/nonfinite_rewards` and skips the steps it poisons. `--check-for-nan-in-loss-and-grad`
+//!   stops the run instead, naming the step (Megatron's default is to stop; vime's is to skip, so
+//!   one bad sample does not end a long RL run).
+//! - With `--load`, HTTP engines get the weights the run starts from before the first rollout, even
+//!   without a checkpoint: they outlive a killed trainer and may hold a later step's weights.
 pub mod args;
 pub mod compat;
 pub mod engine;
@@ -36,6 +43,121 @@ pub mod placement;
 pub mod resolve;
 pub mod step;
 mod ui;
+
+/// Test-only fault hooks for the fault-matrix tests (`trainer/tests/faults.rs`): environment
+/// variables read once, hidden from `--help`, a no-op unless set (one `OnceLock` read and a
+/// `None` check per visit of a point otherwise).
+///
+/// - `VIME_TEST_KILL_AT=<point>:<n>[@<rank>]`: SIGKILL this process the n-th time (from 1) it
+///   reaches `point` (only on global rank `rank`, `RANK` of torchrun's environment, when given).
+/// - `VIME_TEST_ERROR_AT=<point>:<n>[@<rank>]`: that visit returns an error instead.
+/// - `VIME_TEST_NAN_AT=<what>:<n>[@<rank>]`: a NaN in the n-th rollout's first reward
+///   (`reward`), the n-th policy step's first old log-prob and so its loss (`loss`), or the n-th
+///   optimizer step's first gradient (`grad`).
+///
+/// Points, in the order a rollout reaches them: `rollout` (prompts drawn, nothing generated),
+/// `reward` (samples generated, not scored), `logprobs` (old log-probs computed), `optimizer`
+/// (a step's gradients accumulated, no update yet), `sync-start` / `sync-end` (around the weight
+/// sync), `metrics` (half of the step's JSONL line written), and in a checkpoint save
+/// `save-files` (`hf/` written, the optimizer state not), `save-renamed` (the folder renamed,
+/// the `latest` pointer not updated), `save-latest` (the pointer's temp file written, not renamed).
+pub mod fault {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+
+    struct Hook {
+        point: String,
+        n: u64,
+        rank: Option<u64>,
+        hits: AtomicU64,
+    }
+
+    impl Hook {
+        fn parse(var: &str) -> Option<Hook> {
+            let spec = std::env::var(var).ok()?;
+            let (spec, rank) = match spec.split_once('@') {
+                Some((s, r)) => (s.to_string(), Some(r.parse().ok()?)),
+                None => (spec, None),
+            };
+            let (point, n) = spec.rsplit_once(':')?;
+            Some(Hook {
+                point: point.to_string(),
+                n: n.parse().ok()?,
+                rank,
+                hits: AtomicU64::new(0),
+            })
+        }
+
+        /// Counts a visit of `point`; true on the visit the hook names.
+        fn due(&self, point: &str) -> bool {
+            if self.point != point {
+                return false;
+            }
+            if let Some(r) = self.rank {
+                let mine: u64 = std::env::var("RANK").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+                if mine != r {
+                    return false;
+                }
+            }
+            self.hits.fetch_add(1, Ordering::SeqCst) + 1 == self.n
+        }
+    }
+
+    struct Hooks {
+        kill: Option<Hook>,
+        error: Option<Hook>,
+        nan: Option<Hook>,
+    }
+
+    fn hooks() -> &'static Hooks {
+        static H: OnceLock<Hooks> = OnceLock::new();
+        H.get_or_init(|| Hooks {
+            kill: Hook::parse("VIME_TEST_KILL_AT"),
+            error: Hook::parse("VIME_TEST_ERROR_AT"),
+            nan: Hook::parse("VIME_TEST_NAN_AT"),
+        })
+    }
+
+    /// True on the visit of `point` that `VIME_TEST_KILL_AT` names: the caller may leave
+    /// something half-done, then calls [`kill`].
+    pub fn kill_due(point: &str) -> bool {
+        hooks().kill.as_ref().is_some_and(|h| h.due(point))
+    }
+
+    /// SIGKILL to this process: no destructor, flush or handler runs.
+    pub fn kill(point: &str) -> ! {
+        eprintln!("VIME_TEST_KILL_AT: SIGKILL at {point}");
+        extern "C" {
+            fn raise(sig: std::ffi::c_int) -> std::ffi::c_int;
+        }
+        const SIGKILL: std::ffi::c_int = 9;
+        // SAFETY: raise(3) has no preconditions; SIGKILL cannot be caught, so it does not return.
+        unsafe {
+            raise(SIGKILL);
+        }
+        std::process::abort()
+    }
+
+    /// A visit of `point`: dies or fails there when a hook names this visit.
+    pub fn at(point: &str) -> anyhow::Result<()> {
+        if kill_due(point) {
+            kill(point);
+        }
+        if hooks().error.as_ref().is_some_and(|h| h.due(point)) {
+            anyhow::bail!("VIME_TEST_ERROR_AT: injected error at {point}");
+        }
+        Ok(())
+    }
+
+    /// True on the visit of `what` (`reward`, `loss`, `grad`) that `VIME_TEST_NAN_AT` names.
+    pub fn nan_due(what: &str) -> bool {
+        let due = hooks().nan.as_ref().is_some_and(|h| h.due(what));
+        if due {
+            eprintln!("VIME_TEST_NAN_AT: NaN injected in the {what}");
+        }
+        due
+    }
+}
 
 pub use args::{EvalSet, LossType, ParallelArgs, TrainArgs};
 pub use engine::Engine;
@@ -187,6 +309,9 @@ impl<'a> Run<'a> {
             world.dims().dp
         );
 
+        if let (true, Some(save)) = (rank0, &args.save) {
+            ckpt::check_save_dir(save)?;
+        }
         let resumed = match &args.load {
             Some(root) => ckpt::load_latest(root, &device)
                 .with_context(|| format!("reading the checkpoints in --load {}", root.display()))?,
@@ -380,8 +505,17 @@ impl<'a> Run<'a> {
                     .unwrap_or_else(|| std::env::temp_dir().join(format!("vime-sync-{}", std::process::id())))
                     .join("weights-for-engines");
                 let e = Engine::remote(&args.vllm, &args.sync, engine_policy, &model_dir, sync_dir)?;
-                if let Some(r) = &resumed {
-                    e.sync_weights(engine_policy, &tokenizer_dir, r.state.step)?;
+                // A run that may be a restart (`--load`) first syncs the weights it starts from:
+                // the engines outlive a killed trainer and may hold a later step's weights, even
+                // when no checkpoint was written yet (found by trainer/tests/faults.rs).
+                match (&resumed, &args.load) {
+                    (Some(r), _) => {
+                        e.sync_weights(engine_policy, &tokenizer_dir, r.state.step)?;
+                    }
+                    (None, Some(_)) => {
+                        e.sync_weights(engine_policy, &tokenizer_dir, 0)?;
+                    }
+                    (None, None) => {}
                 }
                 Some(e)
             }
@@ -542,8 +676,10 @@ impl<'a> Run<'a> {
                 None
             };
             if let (Some(engine), true) = (&self.engine, sync_due) {
+                fault::at("sync-start")?;
                 let t = Instant::now();
                 let out = engine.sync_weights(whole.as_ref().unwrap_or(&self.policy), &self.tokenizer_dir, step)?;
+                fault::at("sync-end")?;
                 let dt = t.elapsed().as_secs_f64();
                 m.insert("perf/sync_time".into(), dt);
                 m.insert("perf/sync_gb_per_s".into(), out.bytes as f64 / 1e9 / dt.max(1e-9));
@@ -757,7 +893,30 @@ impl<'a> Run<'a> {
             requests.len()
         );
         let responses: Vec<String> = outputs.iter().map(|o| self.decode(o)).collect::<Result<_>>()?;
-        let rewards = self.rewards(&owners, &responses)?;
+        fault::at("reward")?;
+        let mut rewards = self.rewards(&owners, &responses)?;
+        if fault::nan_due("reward") {
+            rewards[0] = f64::NAN;
+        }
+        // A reward that is not finite poisons the advantages it is normalised with: the steps that
+        // hold them are skipped by the step's NaN guard, or the run stops here.
+        if let Some(i) = rewards.iter().position(|r| !r.is_finite()) {
+            let bad = rewards.iter().filter(|r| !r.is_finite()).count();
+            let what = format!(
+                "step {}: {bad} reward(s) not finite, the first of sample {i} ({}, prompt line {}): {}",
+                rollout_id + 1,
+                self.dataset.path().display(),
+                owners[i].line,
+                rewards[i]
+            );
+            ensure!(
+                !args.check_for_nan_in_loss_and_grad,
+                "{what} (--check-for-nan-in-loss-and-grad)"
+            );
+            self.ui.log(&format!(
+                "warning: {what}; the optimizer steps that train on it are skipped"
+            ));
+        }
         let mut samples = Vec::with_capacity(outputs.len());
         for (((p, out), response), reward) in owners.iter().zip(outputs).zip(responses).zip(rewards) {
             ensure!(
@@ -831,6 +990,7 @@ impl<'a> Run<'a> {
             .cloned()
             .collect();
         let is_rl = args.loss_type == LossType::PolicyLoss;
+        fault::at("rollout")?;
 
         // Rollout.
         let t = Instant::now();
@@ -912,6 +1072,7 @@ impl<'a> Run<'a> {
         };
         spinner.finish_and_clear();
         if is_rl {
+            fault::at("logprobs")?;
             m.insert("perf/log_probs_time".into(), t.elapsed().as_secs_f64());
             let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
             let old_flat = flat(&old_logp);
@@ -986,6 +1147,28 @@ impl<'a> Run<'a> {
         let bar = self.ui.steps_bar(steps as u64, if is_rl { "train" } else { "sft" });
         let mut reports: Vec<StepReport> = Vec::new();
         let mut critic_reports: Vec<StepReport> = Vec::new();
+        let (mut skipped, mut critic_skipped) = (0usize, 0usize);
+        // A step the NaN guard did not apply (see `step`): counted, or the run stops naming it.
+        let guard =
+            |r: StepReport, s: usize, kind: &str, count: &mut usize, keep: &mut Vec<StepReport>| -> Result<()> {
+                match &r.skipped {
+                    None => keep.push(r),
+                    Some(what) => {
+                        let at = format!(
+                            "step {} (rollout {rollout_id}), {kind} optimizer step {} of {steps}: {what}",
+                            rollout_id + 1,
+                            s + 1
+                        );
+                        ensure!(
+                            !args.check_for_nan_in_loss_and_grad,
+                            "{at}; stopping (--check-for-nan-in-loss-and-grad)"
+                        );
+                        self.ui.log(&format!("warning: {at}; the step is skipped (no update)"));
+                        *count += 1;
+                    }
+                }
+                Ok(())
+            };
         let train_actor = !is_rl || args.rl.train_actor(rollout_id);
         let cfg = StepConfig {
             rl: &args.rl,
@@ -1002,9 +1185,8 @@ impl<'a> Run<'a> {
             let idx: Vec<usize> = (s * g..(s + 1) * g).collect();
             if let (Some(v), true) = (&values, is_rl) {
                 let (critic, copt, csched) = self.critic.as_mut().context("internal: values without a critic")?;
-                critic_reports.push(step::critic_step(
-                    critic, copt, csched, &cfg, &samples, &idx, v, &returns,
-                )?);
+                let r = step::critic_step(critic, copt, csched, &cfg, &samples, &idx, v, &returns)?;
+                guard(r, s, "critic", &mut critic_skipped, &mut critic_reports)?;
             }
             if train_actor {
                 let r = if is_rl {
@@ -1024,7 +1206,7 @@ impl<'a> Run<'a> {
                 } else {
                     step::sft_step(&self.policy, &mut self.opt, &self.sched, &cfg, &samples, &idx)?
                 };
-                reports.push(r);
+                guard(r, s, "policy", &mut skipped, &mut reports)?;
             }
             bar.inc(1);
             if self.world.agree_any(interrupted())? {
@@ -1038,6 +1220,12 @@ impl<'a> Run<'a> {
         m.insert("perf/train_tokens_per_s".into(), trained as f64 / train_time.max(1e-9));
         average_reports(&reports, "train", &mut m);
         average_reports(&critic_reports, "critic", &mut m);
+        if train_actor && steps > 0 {
+            m.insert("train/skipped_steps".into(), skipped as f64);
+        }
+        if self.critic.is_some() && is_rl && steps > 0 {
+            m.insert("critic/skipped_steps".into(), critic_skipped as f64);
+        }
         if !is_rl {
             m.insert("perf/sft_tokens".into(), trained as f64);
         }
@@ -1119,6 +1307,8 @@ fn rollout_metrics(samples: &[Sample], args: &TrainArgs, m: &mut BTreeMap<String
     let var = rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n;
     m.insert("rollout/raw_reward".into(), mean);
     m.insert("rollout/raw_reward_std".into(), var.sqrt());
+    let nonfinite = rewards.iter().filter(|r| !r.is_finite()).count();
+    m.insert("rollout/nonfinite_rewards".into(), nonfinite as f64);
     let passed = rewards.iter().filter(|&&r| r >= args.eval_pass_threshold).count();
     m.insert("rollout/pass_rate".into(), passed as f64 / n);
     let lens: Vec<usize> = samples.iter().map(|s| s.response_length).collect();

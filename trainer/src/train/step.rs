@@ -6,6 +6,13 @@
 //! of sample `i`. A micro-batch gathers its samples' response positions out of the packed batch
 //! (`MicroBatch::response_ranges`) with `index_select`, so the loss sees `[N]` tensors over loss
 //! tokens only, as `crate::rl` expects, and gradients flow back to the packed outputs.
+//!
+//! NaN/Inf guard (Megatron's `check_for_nan_in_loss_and_grad`): before each update the step's
+//! loss terms and every local gradient's sum are checked; the ranks agree (the flag rides on the
+//! metrics sum over DP, and is summed over CP and TP), and a step that is not finite anywhere is
+//! not applied (no update, no optimizer step counted, so the LR schedule does not move either):
+//! its report names what was not finite, and the loop skips or stops on it
+//! (`--check-for-nan-in-loss-and-grad`).
 use crate::batching::{MicroBatch, MicroBatchPolicy, SampleView};
 use crate::critic::Critic;
 use crate::optim::{DistributedAdamW, GradAccumulator, LrScheduler};
@@ -30,6 +37,8 @@ pub struct Sample {
     pub rollout_log_probs: Option<Vec<f32>>,
     pub response: String,
     pub label: Option<String>,
+    /// NaN/Inf cross the ranks as JSON `null` and come back as NaN (JSON has no NaN).
+    #[serde(with = "nan_as_null")]
     pub raw_reward: f64,
     pub finish: FinishReason,
 }
@@ -41,6 +50,22 @@ impl Sample {
             response_length: self.response_length,
             loss_mask: None,
         }
+    }
+}
+
+mod nan_as_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
     }
 }
 
@@ -177,6 +202,8 @@ pub struct StepReport {
     /// Packed tokens through forward + backward.
     pub tokens: usize,
     pub micro_batches: usize,
+    /// Not applied: what was not finite (a loss term or a gradient, on this rank or another).
+    pub skipped: Option<String>,
 }
 
 /// The per-token tensors the policy loss needs, per sample.
@@ -276,7 +303,24 @@ fn optimizer_step(
         tokens += mb.sample_tokens();
         micro_batches += 1;
     }
+    // The NaN/Inf guard's flag (see the module docs), one key per rank so that every rank learns
+    // which one it was. Loss terms that are not finite are zeroed for the metric exchanges (JSON
+    // has no NaN); the step is dropped anyway.
+    let flag_prefix = "\u{0}nonfinite ";
+    let nk = format!(
+        "{flag_prefix}dp {} tp {} cp {}",
+        cfg.dp.rank(),
+        cfg.tp.rank(),
+        cfg.cp.rank()
+    );
+    let loss_bad = take_nonfinite(&mut report.metrics);
+    report.metrics.insert(nk.clone(), loss_bad.is_some() as u8 as f64);
     let mut grads = acc.take();
+    if super::fault::nan_due("grad") {
+        if let Some(g) = grads.values_mut().next() {
+            *g = g.affine(f64::NAN, 0.0)?;
+        }
+    }
     // Under CP each rank holds its tokens' share of the gradients and of the loss metrics.
     if cfg.cp.size() > 1 {
         for g in grads.values_mut() {
@@ -284,6 +328,14 @@ fn optimizer_step(
         }
         super::parallel::sum_metrics(cfg.cp, &mut report.metrics)?;
     }
+    let grad_bad = match loss_bad {
+        Some(_) => None,
+        None => first_nonfinite_grad(&grads)?,
+    };
+    if grad_bad.is_some() {
+        *report.metrics.entry(nk.clone()).or_default() += 1.0;
+    }
+    super::fault::at("optimizer")?;
     // For the multi-rank failure tests: a rank that dies, or fails with an error, while the
     // others wait in a collective.
     let fault = std::env::var("VIME_FAULT_INJECT").unwrap_or_default();
@@ -306,11 +358,68 @@ fn optimizer_step(
     report.tokens = report.metrics.remove(tk).unwrap_or(0.0) as usize;
     report.micro_batches = report.metrics.remove(mk).unwrap_or(0.0) as usize;
     report.lr = sched.lr_at(opt.num_steps());
+    let mut flags: BTreeMap<String, f64> = BTreeMap::new();
+    report.metrics.retain(|k, v| {
+        let flag = k.starts_with(flag_prefix);
+        if flag {
+            flags.insert(k.clone(), *v);
+        }
+        !flag
+    });
+    if cfg.tp.size() > 1 {
+        // TP ranks hold different gradient shards.
+        super::parallel::sum_metrics(cfg.tp, &mut flags)?;
+    }
+    let flagged: Vec<&str> = flags
+        .iter()
+        .filter(|(_, v)| **v > 0.0)
+        .map(|(k, _)| &k[flag_prefix.len()..])
+        .collect();
+    if !flagged.is_empty() {
+        let what = match (loss_bad, grad_bad) {
+            (Some(k), _) => format!("the loss ({k}) is not finite"),
+            (None, Some(n)) => format!("the gradient of {n} is not finite"),
+            (None, None) => "a loss or gradient is not finite".into(),
+        };
+        report.skipped = Some(format!("{what} on rank(s) {}", flagged.join(", ")));
+        report.grad_norm = f64::NAN;
+        return Ok(report);
+    }
     // Reduce-scatter, global norm, clipping folded into the update, all-gather.
     report.grad_norm = opt
         .step_stats_tp(&grads, report.lr, cfg.clip_grad, cfg.dp, cfg.tp)?
         .grad_norm;
     Ok(report)
+}
+
+/// Zeroes the metrics that are not finite; the name of the first, if any.
+fn take_nonfinite(m: &mut BTreeMap<String, f64>) -> Option<String> {
+    let mut first = None;
+    for (k, v) in m.iter_mut() {
+        if !v.is_finite() {
+            first.get_or_insert_with(|| k.clone());
+            *v = 0.0;
+        }
+    }
+    first
+}
+
+/// The first gradient (by name) whose sum is not finite: a NaN or Inf anywhere in it shows in
+/// its sum. One device-to-host copy for all of them.
+fn first_nonfinite_grad(grads: &BTreeMap<String, Tensor>) -> Result<Option<String>> {
+    if grads.is_empty() {
+        return Ok(None);
+    }
+    let sums = grads
+        .values()
+        .map(|g| g.sum_all()?.to_dtype(candle_core::DType::F32))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let sums = Tensor::stack(&sums, 0)?.to_vec1::<f32>()?;
+    Ok(grads
+        .keys()
+        .zip(sums)
+        .find(|(_, s)| !s.is_finite())
+        .map(|(n, _)| n.clone()))
 }
 
 /// One RL optimizer step of the policy on `indices`.
@@ -330,6 +439,24 @@ pub fn policy_step(
         .iter()
         .map(|s| s.rollout_log_probs.clone())
         .collect::<Option<Vec<_>>>();
+    // Test hook: a NaN first old log-prob in each sample makes this step's loss NaN (on every
+    // data-parallel rank whose process has the hook).
+    let poisoned;
+    let data = if super::fault::nan_due("loss") {
+        let mut old = data.old_log_probs.to_vec();
+        for &i in indices {
+            if let Some(x) = old[i].first_mut() {
+                *x = f32::NAN;
+            }
+        }
+        poisoned = old;
+        &PolicyData {
+            old_log_probs: &poisoned,
+            ..*data
+        }
+    } else {
+        data
+    };
     optimizer_step(
         samples,
         indices,
