@@ -46,7 +46,10 @@ fn plain_sampling_is_independent_of_the_batch_and_keeps_the_trainers_logprobs() 
             },
         )?;
         let outs = eng.generate(&reqs)?;
-        assert_eq!(outs[at].token_ids, alone[0].token_ids, "target at {at}, max_num_seqs {max_num_seqs}");
+        assert_eq!(
+            outs[at].token_ids, alone[0].token_ids,
+            "target at {at}, max_num_seqs {max_num_seqs}"
+        );
     }
     let mut other = target.clone();
     other.params.seed = Some(43);
@@ -55,10 +58,17 @@ fn plain_sampling_is_independent_of_the_batch_and_keeps_the_trainers_logprobs() 
     // The log-probs are the trainer's raw log-probs of the sampled tokens.
     let m = model()?;
     let seq: Vec<u32> = target.prompt_ids.iter().chain(&alone[0].token_ids).copied().collect();
-    let lp = m.logprobs_entropy(&PackedBatch::from_sequences(&[&seq])?)?.logprobs.to_vec1::<f32>()?;
+    let lp = m
+        .logprobs_entropy(&PackedBatch::from_sequences(&[&seq])?)?
+        .logprobs
+        .to_vec1::<f32>()?;
     let p = target.prompt_ids.len();
     for (k, &got) in alone[0].logprobs.iter().enumerate() {
-        assert!((got - lp[p - 1 + k]).abs() <= 1e-5, "token {k}: {got} vs {}", lp[p - 1 + k]);
+        assert!(
+            (got - lp[p - 1 + k]).abs() <= 1e-5,
+            "token {k}: {got} vs {}",
+            lp[p - 1 + k]
+        );
     }
     Ok(())
 }
