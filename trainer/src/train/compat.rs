@@ -97,7 +97,7 @@ pub const COMPAT: &[CompatFlag] = &[
     f("--no-masked-softmax-fusion", Switch, Always, Any, "attention is one fused kernel; there is no separate masked softmax"),
     f("--no-gradient-accumulation-fusion", Switch, Always, Any, "weight gradients come out of their GEMM in f32 either way"),
     f("--offload-rollout", Switch, Always, Any, "with --colocate the engines sleep while vime trains (vLLM sleep mode)"),
-    f("--offload-train", Switch, Always, Any, "with --colocate vime's memory is what it holds between steps; engines wake after the sync"),
+
     f("--vllm-weight-sync-mode", One, Always, Any, "vime picks each engine's weight-sync protocol from its /version (--update-weight-protocol auto)"),
     f("--pipeline-model-parallel-size", One, Always, OneOf(&["1"]), "vime has no pipeline parallelism (use --tp and --cp); only 1 is accepted"),
     f("--expert-model-parallel-size", One, Always, OneOf(&["1"]), "dense Qwen3 has no experts; only 1 is accepted"),
@@ -109,6 +109,7 @@ pub const COMPAT: &[CompatFlag] = &[
     f("--vllm-weight-sync-packed", Switch, Always, Any, "weights always stream in packed buckets of --update-weight-buffer-size"),
     // ---- accepted, unused ---------------------------------------------------------------------
     f("--no-check-for-nan-in-loss-and-grad", Switch, Unused, Any, "vime always checks: a step with a non-finite loss or gradient is skipped and counted (train/skipped_steps); --check-for-nan-in-loss-and-grad stops the run instead"),
+    f("--offload-train", Switch, Unused, Any, "vime does not offload its weights or optimizer state to the host between steps; with --colocate the engines sleep while it trains"),
     f("--num-gpus-per-node", One, Unused, Any, "vime reads the GPU count from the driver"),
     f("--no-save-optim", Switch, Unused, Any, "vime always saves the optimizer state, so that a resume continues exactly"),
     f("--log-probs-max-tokens-per-gpu", One, Unused, Any, "log-prob passes pack by --max-tokens-per-gpu (and run long sequences in query chunks)"),
