@@ -576,13 +576,16 @@ __device__ __forceinline__ unsigned long long vime_mix64(unsigned long long z) {
 extern "C" __global__ void __launch_bounds__(256)
     vime_sample_gumbel(const float* __restrict__ logits, int vocab, const unsigned long long* __restrict__ seeds,
                        const unsigned long long* __restrict__ counters, const float* __restrict__ inv_t,
-                       unsigned int* __restrict__ out) {
+                       unsigned int* __restrict__ out, float* __restrict__ logprob) {
+    // With `logprob` (may be null): also the log-softmax of the raw logits (temperature 1) at the
+    // sampled token, from the same pass: each thread keeps a running max and sum of exp.
     const int row = blockIdx.x;
     const float* x = logits + (size_t)row * vocab;
     const float it = inv_t[row];
     const unsigned long long base = vime_mix64(seeds[row] + counters[row] * 0x9E3779B97F4A7C15ULL);
     float best = -INFINITY;
     int bi = 0x7fffffff;
+    float m = -INFINITY, se = 0.f;
     for (int j = threadIdx.x; j < vocab; j += 256) {
         const float z = x[j];
         float key = z;
@@ -595,11 +598,22 @@ extern "C" __global__ void __launch_bounds__(256)
             best = key;
             bi = j;
         }
+        if (logprob != nullptr && z > -INFINITY) {
+            if (z > m) {
+                se = se * expf(m - z) + 1.f;
+                m = z;
+            } else {
+                se += expf(z - m);
+            }
+        }
     }
     __shared__ float sk[256];
     __shared__ int si[256];
+    __shared__ float smx[256], ssum[256];
     sk[threadIdx.x] = best;
     si[threadIdx.x] = bi;
+    smx[threadIdx.x] = m;
+    ssum[threadIdx.x] = se;
     __syncthreads();
     for (int s = 128; s > 0; s >>= 1) {
         if (threadIdx.x < s) {
@@ -609,10 +623,20 @@ extern "C" __global__ void __launch_bounds__(256)
                 sk[threadIdx.x] = ok;
                 si[threadIdx.x] = oi;
             }
+            const float ma = smx[threadIdx.x], mb = smx[threadIdx.x + s];
+            const float mm = fmaxf(ma, mb);
+            if (mm > -INFINITY) {
+                ssum[threadIdx.x] = ssum[threadIdx.x] * expf(ma - mm) + ssum[threadIdx.x + s] * expf(mb - mm);
+                smx[threadIdx.x] = mm;
+            }
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) out[row] = si[0] == 0x7fffffff ? 0u : (unsigned int)si[0];
+    if (threadIdx.x == 0) {
+        const unsigned int tok = si[0] == 0x7fffffff ? 0u : (unsigned int)si[0];
+        out[row] = tok;
+        if (logprob != nullptr) logprob[row] = x[tok] - (smx[0] + logf(ssum[0]));
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 
 /// Vocabulary columns per logits block of the LM head.
 const VOCAB_CHUNK: usize = 16384;
@@ -70,6 +71,10 @@ fn ops_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
 
 fn flash_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     load(dev, "vime_flash_attn", FLASH_PTX, name)
+}
+
+fn decode_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load(dev, "vime_decode", DECODE_PTX, name)
 }
 
 /// A launch of `f` on the device's (candle's) stream.
@@ -139,6 +144,37 @@ fn upload_u32(dev: &CudaDevice, v: &[u32]) -> Result<CudaSlice<u32>> {
         return dev.alloc_zeros::<u32>(1);
     }
     dev.cuda_stream().clone_htod(v).w()
+}
+
+/// Entries [`upload_u32_cached`] keeps (most recent first) and the longest array it caches.
+const UPLOAD_CACHE_ENTRIES: usize = 8;
+const UPLOAD_CACHE_MAX_LEN: usize = 1 << 16;
+
+type UploadCache = Mutex<Vec<(DeviceId, Vec<u32>, Arc<CudaSlice<u32>>)>>;
+static UPLOADS: OnceLock<UploadCache> = OnceLock::new();
+
+/// [`upload_u32`] for metadata that repeats across calls (the positions and `cu_seqlens` every
+/// layer of a forward passes again): an array equal to one of the last few uploaded to this
+/// device reuses that device copy, so a forward uploads its metadata once, not once per layer.
+/// Comparing a few KB on the host is far cheaper than a host-to-device copy. The device copies
+/// are only ever read by kernels, so sharing them (an `Arc`: a `CudaSlice` clone is a device copy)
+/// is safe in stream order.
+fn upload_u32_cached(dev: &CudaDevice, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+    if v.is_empty() || v.len() > UPLOAD_CACHE_MAX_LEN {
+        return Ok(Arc::new(upload_u32(dev, v)?));
+    }
+    let cache = UPLOADS.get_or_init(|| Mutex::new(Vec::new()));
+    let mut cache = cache.lock().unwrap();
+    if let Some(i) = cache.iter().position(|(d, h, _)| *d == dev.id() && h.as_slice() == v) {
+        let hit = cache.remove(i);
+        let slice = hit.2.clone();
+        cache.insert(0, hit);
+        return Ok(slice);
+    }
+    let slice = Arc::new(upload_u32(dev, v)?);
+    cache.insert(0, (dev.id(), v.to_vec(), slice.clone()));
+    cache.truncate(UPLOAD_CACHE_ENTRIES);
+    Ok(slice)
 }
 
 fn check_bf16(op: &str, dtypes: &[DType]) -> Result<()> {
@@ -275,11 +311,11 @@ pub(crate) fn rope(
     let n = t * h * d;
     let out = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
     if n > 0 {
-        let pos = upload_u32(dev, positions)?;
+        let pos = upload_u32_cached(dev, positions)?;
         let (xp, yp, pp) = (
             addr::<bf16>(x, lx, "rope")?,
             slice_addr(&out, dev),
-            slice_addr(&pos, dev),
+            slice_addr(&*pos, dev),
         );
         let (t_i, h_i, d_i) = (
             i32_of("rope", "tokens", t)?,
@@ -427,6 +463,41 @@ unsafe fn gemm(
         blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
     )
     .map_err(|e| candle_core::Error::Msg(format!("cuBLAS GemmEx: {e:?}")))
+}
+
+/// [`crate::lm_head::logits_f32`] on the device: `[n, v]` f32 logits of contiguous bf16
+/// `hidden: [n, h]` and `w: [v, h]`, one GEMM.
+pub(crate) fn logits_f32(hidden: &Tensor, w: &Tensor, n: usize, v: usize, h: usize) -> Result<Tensor> {
+    let dev = match hidden.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("logits_f32: hidden must be on a CUDA device"),
+    };
+    let (hp, wp) = (
+        tensor_addr::<bf16>(hidden, "logits_f32")?,
+        tensor_addr::<bf16>(w, "logits_f32")?,
+    );
+    // Safety: the GEMM (beta 0) writes every element.
+    let out = unsafe { dev.alloc::<f32>(n * v) }?;
+    // logits^T [v, n] col-major = logits [n, v] row-major = W [v, h] . hidden^T.
+    unsafe {
+        gemm(
+            &dev,
+            true,
+            false,
+            v,
+            n,
+            h,
+            wp,
+            h,
+            hp,
+            h,
+            0.0,
+            slice_addr(&out, &dev),
+            true,
+            v,
+        )?
+    };
+    Ok(f32_tensor(out, &dev, (n, v)))
 }
 
 /// Forward: `[T, 3]` f32 = (logprob, entropy, lse) per token. The public op narrows the first two
@@ -763,7 +834,7 @@ pub(crate) fn flash_fwd(
     }
     let g = seq_grid(cu_q, cu_k);
     if tq > 0 && g.max_lq > 0 {
-        let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
+        let (cq, ck) = (upload_u32_cached(dev, cu_q)?, upload_u32_cached(dev, cu_k)?);
         let (qp, kp, vp) = (
             addr::<bf16>(q, lq, "varlen_attention")?,
             addr::<bf16>(k, lk, "varlen_attention")?,
@@ -772,8 +843,8 @@ pub(crate) fn flash_fwd(
         let (op, lp, cqp, ckp) = (
             slice_addr(&out, dev),
             slice_addr(&lse, dev),
-            slice_addr(&cq, dev),
-            slice_addr(&ck, dev),
+            slice_addr(&*cq, dev),
+            slice_addr(&*ck, dev),
         );
         let (tq_i, h_i, hkv_i, scale_f) = (tq as i32, h as i32, hkv as i32, scale as f32);
         let f = flash_fn(dev, "vime_flash_fwd")?;
@@ -849,7 +920,7 @@ pub(crate) fn flash_bwd(
     debug_assert!(plan.is_none(), "a cuDNN plan without the cudnn feature");
     if tq > 0 && tk > 0 {
         let g = seq_grid(cu_q, cu_k);
-        let (cq, ck) = (upload_u32(dev, cu_q)?, upload_u32(dev, cu_k)?);
+        let (cq, ck) = (upload_u32_cached(dev, cu_q)?, upload_u32_cached(dev, cu_k)?);
         let (qp, kp, vp) = (
             addr::<bf16>(q, lq, "varlen_attention backward")?,
             addr::<bf16>(k, lk, "varlen_attention backward")?,
@@ -862,7 +933,7 @@ pub(crate) fn flash_bwd(
         let delta = unsafe { dev.alloc::<f32>(h * tq) }?;
         let dq_acc = dev.alloc_zeros::<f32>(nq)?;
         let (deltap, dqap) = (slice_addr(&delta, dev), slice_addr(&dq_acc, dev));
-        let (lsep, cqp, ckp) = (slice_addr(lse, dev), slice_addr(&cq, dev), slice_addr(&ck, dev));
+        let (lsep, cqp, ckp) = (slice_addr(lse, dev), slice_addr(&*cq, dev), slice_addr(&*ck, dev));
         let dqp = slice_addr(&packed, dev);
         let dkp = dqp + (nq * 2) as u64;
         let dvp = dkp + (nk * 2) as u64;
@@ -1192,8 +1263,15 @@ pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
     dev.cuda_stream().clone_dtoh(&out).w()
 }
 
-/// [`crate::sample::sample_gumbel`] on the device: one launch, `rows` u32 back to the host.
-pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[f32]) -> Result<Vec<u32>> {
+/// [`crate::sample::sample_gumbel_logprobs`] on the device: one launch, `rows` u32 (and, with
+/// `logprobs`, `rows` f32) back to the host.
+pub fn sample_gumbel(
+    logits: &Tensor,
+    seeds: &[u64],
+    counters: &[u64],
+    inv_t: &[f32],
+    logprobs: bool,
+) -> Result<(Vec<u32>, Option<Vec<f32>>)> {
     let dev = match logits.device() {
         candle_core::Device::Cuda(d) => d.clone(),
         _ => bail!("sample_gumbel: logits must be on a CUDA device"),
@@ -1205,6 +1283,11 @@ pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[
     let counters = stream.clone_htod(counters).w()?;
     let inv_t = stream.clone_htod(inv_t).w()?;
     let out = dev.alloc_zeros::<u32>(rows)?;
+    let lp = if logprobs {
+        Some(dev.alloc_zeros::<f32>(rows)?)
+    } else {
+        None
+    };
     let f = ops_fn(&dev, "vime_sample_gumbel")?;
     let v = vocab as i32;
     let (sp, cp, tp, op) = (
@@ -1213,8 +1296,14 @@ pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[
         slice_addr(&inv_t, &dev),
         slice_addr(&out, &dev),
     );
-    launch!(dev, f, cfg(rows as u32, 256), [&x, &v, &sp, &cp, &tp, &op]);
-    stream.clone_dtoh(&out).w()
+    let lpp = lp.as_ref().map_or(0u64, |l| slice_addr(l, &dev));
+    launch!(dev, f, cfg(rows as u32, 256), [&x, &v, &sp, &cp, &tp, &op, &lpp]);
+    let toks = stream.clone_dtoh(&out).w()?;
+    let lps = match &lp {
+        Some(l) => Some(stream.clone_dtoh(l).w()?),
+        None => None,
+    };
+    Ok((toks, lps))
 }
 
 /// `pool[rows[r]] = src[r]` in place for the rows of `src` (`[n, width]` bf16, contiguous) into
@@ -1248,4 +1337,118 @@ pub fn rows_write(pool: &Tensor, src: &Tensor, rows: &Tensor) -> Result<()> {
     let f = ops_fn(&dev, "vime_rows_write_bf16")?;
     launch!(dev, f, cfg(grid_for(n * width, 256), 256), [&pp, &sp, &rp, &total, &w]);
     Ok(())
+}
+
+/// Resident 128-thread blocks the decode kernel aims for (132 SMs x 8): enough bytes in flight
+/// to keep a memory-bound kernel at bandwidth.
+const DECODE_TARGET_BLOCKS: usize = 1056;
+/// Keys a decode block covers per iteration (4 warps x 16): a split's length is a multiple.
+const DECODE_KEYS_PER_ITER: usize = 64;
+
+/// [`crate::decode::decode_attention`] on the device: `q: [B, H, 128]` bf16, the pools
+/// `[capacity, Hkv x 128]` bf16, `rows` and `cu_k` u32 on the device (checked by the caller),
+/// `max_len` the longest sequence. One split-KV launch, plus a merge when the keys are split.
+pub fn decode_attention(
+    q: &Tensor,
+    k_pool: &Tensor,
+    v_pool: &Tensor,
+    rows: &Tensor,
+    cu_k: &Tensor,
+    max_len: usize,
+    scale: f64,
+) -> Result<Tensor> {
+    let dev = match q.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("decode_attention: q must be on a CUDA device"),
+    };
+    check_bf16("decode_attention", &[q.dtype(), k_pool.dtype(), v_pool.dtype()])?;
+    let (b, h, d) = q.dims3()?;
+    let hkv = k_pool.dims2()?.1 / 128;
+    if d != 128 || h % hkv != 0 || !(1..=8).contains(&(h / hkv)) {
+        bail!(
+            "decode_attention: head_dim 128 and 1-8 query heads per kv head, got q {:?}, pool {:?}",
+            q.dims(),
+            k_pool.dims()
+        );
+    }
+    let n = b * h * d;
+    let run = b > 0 && max_len > 0;
+    let out = if run {
+        // Safety: every element of `out` is written by the kernel (or the merge) below.
+        unsafe { dev.alloc::<bf16>(n) }?
+    } else {
+        dev.alloc_zeros::<bf16>(n.max(1))?
+    };
+    if run {
+        let blocks = b * hkv;
+        let max_splits = max_len.div_ceil(DECODE_KEYS_PER_ITER);
+        let splits = DECODE_TARGET_BLOCKS.div_ceil(blocks).clamp(1, max_splits);
+        let chunk = max_len.div_ceil(splits).div_ceil(DECODE_KEYS_PER_ITER) * DECODE_KEYS_PER_ITER;
+        let splits = max_len.div_ceil(chunk);
+        let (part_o, part_lse) = if splits > 1 {
+            // Safety: the kernel writes every (row, split) of both.
+            unsafe {
+                (
+                    dev.alloc::<f32>(b * h * splits * 128)?,
+                    dev.alloc::<f32>(b * h * splits)?,
+                )
+            }
+        } else {
+            (dev.alloc_zeros::<f32>(1)?, dev.alloc_zeros::<f32>(1)?)
+        };
+        let qc = q.contiguous()?;
+        let (qp, kp, vp) = (
+            tensor_addr::<bf16>(&qc, "decode_attention")?,
+            tensor_addr::<bf16>(k_pool, "decode_attention")?,
+            tensor_addr::<bf16>(v_pool, "decode_attention")?,
+        );
+        let (rp, cp) = (
+            tensor_addr::<u32>(rows, "decode_attention")?,
+            tensor_addr::<u32>(cu_k, "decode_attention")?,
+        );
+        let (op, pop, plp) = (
+            slice_addr(&out, &dev),
+            slice_addr(&part_o, &dev),
+            slice_addr(&part_lse, &dev),
+        );
+        let (h_i, hkv_i, chunk_i) = (h as i32, hkv as i32, i32_of("decode_attention", "chunk", chunk)?);
+        let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
+        let f = decode_fn(&dev, &format!("vime_decode_attn_g{}", h / hkv))?;
+        let launch = LaunchConfig {
+            grid_dim: (splits as u32, hkv as u32, b as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            dev,
+            f,
+            launch,
+            [
+                &qp,
+                &kp,
+                &vp,
+                &rp,
+                &cp,
+                &op,
+                &pop,
+                &plp,
+                &h_i,
+                &hkv_i,
+                &chunk_i,
+                &scale_log2
+            ]
+        );
+        if splits > 1 {
+            let f = decode_fn(&dev, "vime_decode_combine")?;
+            let s_i = splits as i32;
+            launch!(dev, f, cfg((b * h) as u32, 128), [&pop, &plp, &op, &s_i]);
+        }
+    }
+    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        (b, h, d),
+        candle_core::op::BackpropOp::none(),
+        false,
+    ))
 }

@@ -31,6 +31,7 @@ pub mod composed;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decode;
 #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
 mod cudnn;
 pub mod embedding;

@@ -42,6 +42,30 @@ pub use crate::checks::IGNORE_TARGET;
 /// Elements per rayon task when adding a chunk's `d_lm_head` into the accumulator.
 const ADD_CHUNK: usize = 1 << 16;
 
+/// The f32 logits `hidden . lm_head^T` (`[N, H] x [V, H] -> [N, V]`), no gradient: what the
+/// built-in engine samples from. bf16 on CUDA is one cuBLAS GEMM with f32 accumulation and f32
+/// output (the logits are never rounded to bf16, as in [`logprobs_entropy`]); elsewhere both
+/// sides are widened to f32 and multiplied.
+pub fn logits_f32(hidden: &Tensor, lm_head: &Tensor) -> Result<Tensor> {
+    let (n, h) = hidden.dims2()?;
+    let (v, h2) = lm_head.dims2()?;
+    if h != h2 {
+        bail!(
+            "logits_f32: hidden {:?} and lm_head {:?} differ in width",
+            hidden.dims(),
+            lm_head.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype() && n > 0 {
+        return crate::cuda::logits_f32(&hidden.contiguous()?, &lm_head.contiguous()?, n, v, h);
+    }
+    let _ = (n, v);
+    hidden
+        .to_dtype(candle_core::DType::F32)?
+        .matmul(&lm_head.to_dtype(candle_core::DType::F32)?.t()?)
+}
+
 /// Per-token `(logprob of target, entropy)` of `softmax(hidden @ lm_head^T)`, both `[T]`, f32 (f64
 /// for f64 inputs), with backward to `hidden` and `lm_head`.
 ///

@@ -12,6 +12,9 @@
 //!   (the request's token index) makes every step's noise fresh.
 //! - `inv_t = 0` is greedy (the first largest logit). Ties go to the smallest index; NaN never
 //!   wins.
+//! - [`sample_gumbel_logprobs`] also returns the sampled token's log-prob under the raw logits
+//!   (temperature 1, what vLLM reports and the trainer computes), from the same pass over the row
+//!   (a running max and sum of exponentials), so the engine needs the LM head once per step.
 use candle_core::{bail, DType, Result, Tensor};
 
 /// SplitMix64's output function.
@@ -37,6 +40,28 @@ fn key(z: f32, j: usize, base: u64, inv_t: f32) -> f32 {
 /// `softmax(logits[r] * inv_t[r])` with noise `(seeds[r], counters[r])`, or takes the argmax
 /// where `inv_t[r] == 0`. On CUDA one kernel; elsewhere the same arithmetic on the host.
 pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[f32]) -> Result<Vec<u32>> {
+    Ok(sample(logits, seeds, counters, inv_t, false)?.0)
+}
+
+/// [`sample_gumbel`], and each sampled token's log-prob under `log_softmax(logits[r])` (the raw
+/// logits, whatever the temperature).
+pub fn sample_gumbel_logprobs(
+    logits: &Tensor,
+    seeds: &[u64],
+    counters: &[u64],
+    inv_t: &[f32],
+) -> Result<(Vec<u32>, Vec<f32>)> {
+    let (toks, lps) = sample(logits, seeds, counters, inv_t, true)?;
+    Ok((toks, lps.unwrap_or_default()))
+}
+
+fn sample(
+    logits: &Tensor,
+    seeds: &[u64],
+    counters: &[u64],
+    inv_t: &[f32],
+    logprobs: bool,
+) -> Result<(Vec<u32>, Option<Vec<f32>>)> {
     let (rows, vocab) = logits.dims2()?;
     if logits.dtype() != DType::F32 {
         bail!("sample_gumbel: logits must be f32, got {:?}", logits.dtype());
@@ -50,14 +75,15 @@ pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[
         );
     }
     if rows == 0 || vocab == 0 {
-        return Ok(vec![0; rows]);
+        return Ok((vec![0; rows], logprobs.then(|| vec![f32::NEG_INFINITY; rows])));
     }
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
-        return crate::cuda::sample_gumbel(logits, seeds, counters, inv_t);
+        return crate::cuda::sample_gumbel(logits, seeds, counters, inv_t, logprobs);
     }
     let x = logits.to_vec2::<f32>()?;
-    Ok(x.iter()
+    let toks: Vec<u32> = x
+        .iter()
         .enumerate()
         .map(|(r, row)| {
             let base = mix64(seeds[r].wrapping_add(counters[r].wrapping_mul(0x9E37_79B9_7F4A_7C15)));
@@ -71,7 +97,18 @@ pub fn sample_gumbel(logits: &Tensor, seeds: &[u64], counters: &[u64], inv_t: &[
             }
             bi.unwrap_or(0) as u32
         })
-        .collect())
+        .collect();
+    let lps = logprobs.then(|| {
+        x.iter()
+            .zip(&toks)
+            .map(|(row, &t)| {
+                let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let s: f64 = row.iter().map(|&z| (z as f64 - m).exp()).sum();
+                (row[t as usize] as f64 - m - s.ln()) as f32
+            })
+            .collect()
+    });
+    Ok((toks, lps))
 }
 
 #[cfg(test)]
@@ -122,6 +159,17 @@ mod tests {
         let all = sample_gumbel(&batch, &[5, 77, 9], &[1, 2, 3], &[1.0; 3]).unwrap();
         let alone = sample_gumbel(&logits, &[77], &[2], &[1.0]).unwrap();
         assert_eq!(all[1], alone[0]);
+        // The log-probs are log_softmax of the raw logits at the sampled token, at any temperature.
+        let (toks, lps) = sample_gumbel_logprobs(&batch, &[5, 77, 9], &[1, 2, 3], &[1.0, 2.0, 0.0]).unwrap();
+        let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = m + z.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+        for (&t, &lp) in toks.iter().zip(&lps) {
+            assert!(
+                (lp as f64 - (z[t as usize] as f64 - lse)).abs() < 1e-6,
+                "{lp} vs {}",
+                z[t as usize] as f64 - lse
+            );
+        }
         let e = format!("{}", sample_gumbel(&batch, &[1], &[1, 2, 3], &[1.0; 3]).unwrap_err());
         assert!(e.contains("3 rows but 1 seeds"), "{e}");
     }

@@ -662,25 +662,94 @@ fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Stri
 /// T = 0.7 / 1.0 rows over the real vocabulary. The keys are the same f32 arithmetic (logf
 /// against Rust's ln can differ in the last bit), so at most one row in 256 may differ, and only
 /// where the two largest keys are that close.
+/// The decode kernel against the CPU path (gather + the CPU attention kernel, one query per
+/// sequence) on the same bf16 pool: lengths from 1 to past one split (so the merge runs), rows
+/// scattered over the pool as the paged cache scatters them, 2 and 4 query heads per kv head
+/// (Qwen3-0.6B and 4B), and a batch of 1 (most splits) and of 64.
+fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let kernels = vime_kernels::KernelConfig::default();
+    for (lens, heads) in [
+        (vec![1usize, 17, 64, 65, 300, 1000, 4097], 16usize),
+        (vec![5000], 32),
+        ((0..64).map(|i| 1 + i * 37).collect::<Vec<_>>(), 32),
+    ] {
+        let (hkv, d) = (8usize, 128usize);
+        let total: usize = lens.iter().sum();
+        let cap = (total + 1024).next_power_of_two();
+        let kp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, &Device::Cpu)?;
+        let vp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, &Device::Cpu)?;
+        let q = rng.randn(&[lens.len(), heads, d], 1.0, DType::BF16, &Device::Cpu)?;
+        // A permutation of the pool's rows (odd stride over a power of two).
+        let rows: Vec<u32> = (0..total).map(|i| ((i * 2_654_435_761 + 11) % cap) as u32).collect();
+        let mut cu = vec![0u32];
+        for l in &lens {
+            cu.push(cu.last().unwrap() + *l as u32);
+        }
+        let cu: Arc<[u32]> = cu.into();
+        let run = |dev: &Device| -> Result<Tensor> {
+            let rows_t = Tensor::from_vec(rows.clone(), total, dev)?;
+            let cu_t = Tensor::from_vec(cu.to_vec(), cu.len(), dev)?;
+            vime_kernels::decode::decode_attention(
+                &q.to_device(dev)?,
+                &kp.to_device(dev)?,
+                &vp.to_device(dev)?,
+                &rows_t,
+                &cu,
+                &cu_t,
+                1.0 / (d as f64).sqrt(),
+                &kernels,
+            )
+        };
+        let (want, got) = (run(&Device::Cpu)?, run(gpu)?.to_device(&Device::Cpu)?);
+        let err = rel_err(&got, &want)?;
+        let ok = err <= TOL;
+        let desc = format!(
+            "B {} H {heads} Hkv {hkv}, keys 1..{}",
+            lens.len(),
+            lens.iter().max().unwrap()
+        );
+        println!(
+            "{:<26} {desc:<52} rel err {err:.1e}  {}",
+            "decode_attention",
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            failures.push(format!("decode_attention {desc}: rel err {err:e}"));
+        }
+    }
+    Ok(())
+}
+
 fn check_sample_gumbel(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let (rows, vocab) = (256usize, 151_936usize);
     let logits = rng.randn(&[rows, vocab], 3.0, DType::F32, &Device::Cpu)?;
     let seeds: Vec<u64> = (0..rows as u64).map(|r| r * 7919 + 1).collect();
     let counters: Vec<u64> = (0..rows as u64).map(|r| r % 13).collect();
     let inv_t: Vec<f32> = (0..rows).map(|r| [0.0, 1.0 / 0.7, 1.0][r % 3]).collect();
-    let want = vime_kernels::sample::sample_gumbel(&logits, &seeds, &counters, &inv_t)?;
-    let got = vime_kernels::sample::sample_gumbel(&logits.to_device(gpu)?, &seeds, &counters, &inv_t)?;
+    let (want, want_lp) = vime_kernels::sample::sample_gumbel_logprobs(&logits, &seeds, &counters, &inv_t)?;
+    let (got, got_lp) =
+        vime_kernels::sample::sample_gumbel_logprobs(&logits.to_device(gpu)?, &seeds, &counters, &inv_t)?;
     let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
     let greedy_differ = want.iter().zip(&got).step_by(3).filter(|(a, b)| a != b).count();
-    let ok = differ <= 1 && greedy_differ == 0;
+    // Log-probs where both sides drew the same token: f32 on the device, f64 sums on the host.
+    let lp_err = want
+        .iter()
+        .zip(&got)
+        .zip(want_lp.iter().zip(&got_lp))
+        .filter(|((a, b), _)| a == b)
+        .map(|(_, (x, y))| (x - y).abs())
+        .fold(0f32, f32::max);
+    let ok = differ <= 1 && greedy_differ == 0 && lp_err <= 1e-4;
     println!(
-        "{:<26} {:<52} rows where cuda != cpu: {differ} (greedy rows: {greedy_differ})  {}",
+        "{:<26} {:<52} rows where cuda != cpu: {differ} (greedy rows: {greedy_differ}), log-prob max err {lp_err:.1e}  {}",
         "sample_gumbel",
         format!("[{rows}, {vocab}] f32, T 0 / 0.7 / 1"),
         if ok { "ok" } else { "FAIL" }
     );
     if !ok {
-        failures.push(format!("sample_gumbel: {differ} rows differ ({greedy_differ} greedy)"));
+        failures.push(format!(
+            "sample_gumbel: {differ} rows differ ({greedy_differ} greedy), log-prob err {lp_err:e}"
+        ));
     }
     Ok(())
 }
@@ -720,8 +789,9 @@ fn engine_ops_on_cuda_match_the_cpu() -> Result<()> {
     if !ok {
         failures.push(format!("write_rows: max abs diff {diff:e}"));
     }
+    check_decode_attention(&gpu, &mut rng, &mut failures)?;
     println!(
-        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows vs the CPU)",
+        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows, decode_attention vs the CPU)",
         if failures.is_empty() { "PASS" } else { "FAIL" }
     );
     assert!(failures.is_empty(), "{failures:?}");

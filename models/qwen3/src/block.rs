@@ -205,6 +205,9 @@ impl Attention<'_> {
                 cu_seqlens_q,
                 cu_seqlens_k,
             } => {
+                if let Some(a) = cache.append_and_decode(layer, rows, q, k, v, cu_seqlens_k, scale, &ctx.kernels)? {
+                    return Ok((a, None));
+                }
                 let (k_all, v_all) = cache.append_and_gather(layer, rows, k, v)?;
                 let a = varlen_attention(q, &k_all, &v_all, cu_seqlens_q, cu_seqlens_k, scale, &ctx.kernels)?;
                 Ok((a, None))

@@ -23,6 +23,8 @@
 //!   whatever the batch (the per-sequence buffers before cost 4 ops per sequence per layer, which
 //!   dominated decoding at batch 64 on a GPU). The pool doubles (one copy) when out of pages;
 //!   freed pages are reused.
+//! - A decode call (one new token per sequence) skips the gather: `vime_kernels::decode` attends
+//!   over the pool rows in place (on CUDA one split-KV kernel; elsewhere it gathers, as above).
 //! - No gradient is ever tracked: every weight is read through `as_detached_tensor`.
 use crate::block::Attention;
 use crate::config::Qwen3Config;
@@ -73,6 +75,9 @@ pub(crate) struct CallRows {
     write: Tensor,
     /// `[cached + new tokens of every sequence]`: the rows to gather, in call order.
     read: Tensor,
+    /// A decode call (one new token per sequence): the sequences' offsets into `read` on the
+    /// device, for the decode kernel (uploaded once per call, read by every layer).
+    decode_cu_k: Option<Tensor>,
 }
 
 impl KvCache {
@@ -184,6 +189,7 @@ impl KvCache {
     /// The pool rows of a call of `seqs = [(slot, past, new tokens)]` (reserved by the caller).
     pub(crate) fn call_rows(&self, seqs: &[(usize, usize, usize)]) -> Result<CallRows> {
         let (mut write, mut read) = (Vec::new(), Vec::new());
+        let mut cu_k = vec![0u32];
         for &(slot, p, n) in seqs {
             let s = self
                 .slots
@@ -198,12 +204,53 @@ impl KvCache {
             }
             write.extend((p..p + n).map(|t| s.row(t)));
             read.extend((0..p + n).map(|t| s.row(t)));
+            cu_k.push(read.len() as u32);
         }
         let (nw, nr) = (write.len(), read.len());
+        let decode = seqs.iter().all(|&(_, _, n)| n == 1);
+        let nk = cu_k.len();
         Ok(CallRows {
             write: Tensor::from_vec(write, nw, &self.device)?,
             read: Tensor::from_vec(read, nr, &self.device)?,
+            decode_cu_k: if decode {
+                Some(Tensor::from_vec(cu_k, nk, &self.device)?)
+            } else {
+                None
+            },
         })
+    }
+
+    /// Writes the new keys and values of layer `layer` (as [`KvCache::append_and_gather`]), then
+    /// attends each sequence's one new query `q: [B, q_heads, d]` over its cached + new keys in
+    /// place in the pools (`vime_kernels::decode`). `None` unless `rows` is a decode call.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn append_and_decode(
+        &self,
+        layer: usize,
+        rows: &CallRows,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cu_k: &Arc<[u32]>,
+        scale: f64,
+        kernels: &vime_kernels::KernelConfig,
+    ) -> Result<Option<Tensor>> {
+        let Some(cu_k_dev) = &rows.decode_cu_k else {
+            return Ok(None);
+        };
+        self.append(layer, rows, k, v)?;
+        let (kp, vp) = (&self.k[layer], &self.v[layer]);
+        Ok(Some(vime_kernels::decode::decode_attention(
+            q, kp, vp, &rows.read, cu_k, cu_k_dev, scale, kernels,
+        )?))
+    }
+
+    fn append(&self, layer: usize, rows: &CallRows, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (t, width) = (k.dim(0)?, self.num_kv_heads * self.head_dim);
+        let (kp, vp) = (&self.k[layer], &self.v[layer]);
+        vime_kernels::rows::write_rows(kp, &rows.write, &k.contiguous()?.reshape((t, width))?)?;
+        vime_kernels::rows::write_rows(vp, &rows.write, &v.contiguous()?.reshape((t, width))?)?;
+        Ok(())
     }
 
     /// Writes the new keys and values of layer `layer` (`k, v: [T_new, kv_heads, d]`, in the
@@ -216,10 +263,8 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let (t, width) = (k.dim(0)?, self.num_kv_heads * self.head_dim);
+        self.append(layer, rows, k, v)?;
         let (kp, vp) = (&self.k[layer], &self.v[layer]);
-        vime_kernels::rows::write_rows(kp, &rows.write, &k.contiguous()?.reshape((t, width))?)?;
-        vime_kernels::rows::write_rows(vp, &rows.write, &v.contiguous()?.reshape((t, width))?)?;
         let n = rows.read.dim(0)?;
         let shape = (n, self.num_kv_heads, self.head_dim);
         Ok((

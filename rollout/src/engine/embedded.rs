@@ -19,11 +19,11 @@
 //! - Every request has its seed (its own, or a draw from the engine's generator when `None`), so a
 //!   seeded request samples the same tokens whatever else is in the batch, on either path.
 //! - Log-probs are vLLM's default `logprobs_mode = "raw_logprobs"`: log-softmax of the
-//!   unmodified logits (no temperature, no top-k/p), computed by the trainer's own
-//!   `vime_kernels::logprobs_entropy` on the final-normed hidden state that produced the token:
-//!   the same op and inputs as the trainer's log-probs, so the rollout-vs-trainer gap is rounding.
-//!   The sampling logits are a separate matmul in the model's dtype, widened to f32 as vLLM does
-//!   (the fused kernel never materialises logits).
+//!   unmodified logits (no temperature, no top-k/p). The LM head runs once per step: f32 logits
+//!   from bf16 inputs with f32 accumulation (`vime_kernels::lm_head::logits_f32`, the trainer's
+//!   log-prob precision, never rounded to bf16), from which the sampler draws the token and takes
+//!   its log-prob in the same pass (`sample_gumbel_logprobs`; host rows: the same formula in f64).
+//!   The rollout-vs-trainer gap is rounding (the tests bound it).
 //! - Stopping, in vLLM's `check_stop` order: an EOS id or a `stop_token_ids` id ends with `Stop`
 //!   (the id is kept); then `max_tokens` generated, or prompt + output reaching
 //!   `max_position_embeddings` (vLLM's `max_model_len`), ends with `Length`.
@@ -41,8 +41,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use vime_kernels::logprobs_entropy;
+use std::sync::{Mutex, RwLock};
 use vime_kernels::testing::Rng;
 use vime_qwen3::checkpoint::{check_tensors, load_config, load_hf_weights};
 use vime_qwen3::config::Qwen3Config;
@@ -266,6 +265,13 @@ fn validate_request(i: usize, r: &GenRequest, cfg: &Qwen3Config) -> Result<()> {
     Ok(())
 }
 
+/// `log_softmax(row)[token]` in f64 (the host sampler's rows).
+fn raw_logprob(row: &[f32], token: u32) -> f32 {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let s: f64 = row.iter().map(|&z| (z as f64 - m).exp()).sum();
+    (row[token as usize] as f64 - m - s.ln()) as f32
+}
+
 /// Seconds per phase of [`EmbeddedEngine::generate`] (`VIME_ENGINE_PROFILE`).
 #[derive(Debug, Default)]
 struct StepProfile {
@@ -275,13 +281,13 @@ struct StepProfile {
     /// Tokens sampled (one per sequence per step).
     sampled: usize,
     /// scheduling and bookkeeping, model forward (KV cache included), LM head logits, logits to
-    /// the host, host sampling, log-probs of the sampled tokens.
-    secs: [f64; 6],
+    /// the host (top-k/top-p rows only), sampling with the sampled tokens' log-probs.
+    secs: [f64; 5],
 }
 
 impl StepProfile {
     fn report(&self) -> String {
-        const NAMES: [&str; 6] = ["schedule", "forward", "lm_head", "to_host", "sample", "logprobs"];
+        const NAMES: [&str; 5] = ["schedule", "forward", "lm_head", "to_host", "sample"];
         let total: f64 = self.secs.iter().sum();
         let parts: Vec<String> = NAMES
             .iter()
@@ -344,7 +350,6 @@ impl RolloutEngine for EmbeddedEngine {
                 .collect()
         };
         let lm_head = model.lm_head();
-        let chunk = ((1usize << 26) / cfg.vocab_size.max(1)).clamp(16, 4096);
         let mut cache = model.new_kv_cache();
         let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
         // Requests with a sampled token still to feed, in admission order; the slot id is the
@@ -395,22 +400,23 @@ impl RolloutEngine for EmbeddedEngine {
             phase(&mut profile, 0)?;
             let hidden = model.forward_with_cache(&inputs, &mut cache, HiddenRows::Last)?;
             phase(&mut profile, 1)?;
-            // As vLLM: the LM head in the model's dtype, the logits widened to f32 for sampling.
-            let logits = hidden.matmul(&lm_head.t()?)?.to_dtype(DType::F32)?;
+            // The LM head once: f32 logits (never rounded to bf16), sampled and scored from the
+            // same values.
+            let logits = vime_kernels::lm_head::logits_f32(&hidden, &lm_head)?;
             phase(&mut profile, 2)?;
-            // Plain temperature sampling (and greedy) on the logits' device, one token per row back;
-            // rows with top-k or top-p go to the host sampler.
+            // Plain temperature sampling (and greedy) on the logits' device, one token and its
+            // log-prob per row back; rows with top-k or top-p go to the host sampler.
             let plain = |i: usize| requests[i].params.is_plain(cfg.vocab_size);
-            let mut sampled: Vec<u32> = if order.iter().any(|&i| plain(i)) {
+            let (mut sampled, mut lp): (Vec<u32>, Vec<f32>) = if order.iter().any(|&i| plain(i)) {
                 let seeds: Vec<u64> = order.iter().map(|&i| seqs[i].seed).collect();
                 let counters: Vec<u64> = order.iter().map(|&i| seqs[i].token_ids.len() as u64).collect();
                 let inv_t: Vec<f32> = order
                     .iter()
                     .map(|&i| requests[i].params.inverse_temperature())
                     .collect();
-                vime_kernels::sample::sample_gumbel(&logits, &seeds, &counters, &inv_t)?
+                vime_kernels::sample::sample_gumbel_logprobs(&logits, &seeds, &counters, &inv_t)?
             } else {
-                vec![0; order.len()]
+                (vec![0; order.len()], vec![0.0; order.len()])
             };
             let host: Vec<usize> = (0..order.len()).filter(|&r| !plain(order[r])).collect();
             if !host.is_empty() {
@@ -422,13 +428,10 @@ impl RolloutEngine for EmbeddedEngine {
                 for (&r, row) in host.iter().zip(&rows) {
                     let i = order[r];
                     sampled[r] = sample_token(row, &requests[i].params, &mut seqs[i].rng);
+                    lp[r] = raw_logprob(row, sampled[r]);
                 }
             }
-            let sampled: Arc<[u32]> = sampled.into();
             phase(&mut profile, 4)?;
-            let (lp, _) = logprobs_entropy(&hidden, &lm_head, &sampled, chunk)?;
-            let lp = lp.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-            phase(&mut profile, 5)?;
             running.clear();
             for ((&i, &tok), &lp) in order.iter().zip(sampled.iter()).zip(&lp) {
                 let (r, s) = (&requests[i], &mut seqs[i]);

@@ -1,0 +1,254 @@
+// decode.cu -- attention of one new query per sequence over its keys in the paged KV cache
+// (split-KV "flash decoding"), head_dim 128, bf16 in and out, f32 accumulation, GQA.
+//
+// Why: a decode step has one query per sequence. The prefill kernel (flash_attn.cu) computes
+// 128-row query tiles, so 127 of 128 rows are wasted, and it needs the keys packed, which cost a
+// gather of every cached row of every layer per step. This kernel reads the pool rows in place
+// through the call's row list and is bound by the bytes of K and V it reads.
+//
+// Layouts:
+//   q, out     : [B, H, 128] bf16, contiguous (sequence b's query heads)
+//   k, v pools : [capacity, Hkv * 128] bf16, contiguous (one row per cached position)
+//   rows       : u32; the keys of sequence b are pool rows rows[cu_k[b] .. cu_k[b+1]] in position order
+//   cu_k       : B+1 u32 prefix offsets into rows
+//   part_o     : [B, H, splits, 128] f32, part_lse: [B, H, splits] f32 (log2 domain), only when splits > 1
+// The query is the sequence's last position, so it sees every key of its sequence.
+//
+// Grid (splits, Hkv, B), block 128 (4 warps). A block owns the G = H / Hkv query heads of one kv
+// head and keys [split * chunk, (split + 1) * chunk) of one sequence. Within a warp, lane group
+// lane >> 3 (4 groups of 8 lanes) takes one key at a time and each lane of a group 16 of the 128
+// dims; a warp covers 16 keys per iteration (4 per group, loaded before use). Each group keeps its
+// own online softmax (running max, sum, 16 x G accumulators); groups are merged with shuffles,
+// warps through shared memory. With one split the block writes the bf16 output; otherwise its
+// normalised partial output and log-sum-exp, which vime_decode_combine merges.
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define VD_D 128
+#define VD_WARPS 4
+#define VD_THREADS (VD_WARPS * 32)
+#define VD_TILE 4  // keys per lane group per iteration
+
+namespace vd {
+
+__device__ __forceinline__ void load16(const __nv_bfloat16* p, float* f) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const uint4 b = *reinterpret_cast<const uint4*>(p + 8);
+    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 u = __bfloat1622float2(x[i]), w = __bfloat1622float2(y[i]);
+        f[2 * i] = u.x;
+        f[2 * i + 1] = u.y;
+        f[8 + 2 * i] = w.x;
+        f[8 + 2 * i + 1] = w.y;
+    }
+}
+
+__device__ __forceinline__ void cvt16(const uint4* raw, float* f) {
+    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float2 u = __bfloat1622float2(x[i]);
+        f[2 * i] = u.x;
+        f[2 * i + 1] = u.y;
+    }
+}
+
+// The factor that rescales a partial (max m) into a merge whose max is mm: 0 for an empty one.
+__device__ __forceinline__ float rescale(float m, float mm) {
+    return m == -INFINITY ? 0.f : exp2f(m - mm);
+}
+
+template <int G>
+__device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
+                                            const __nv_bfloat16* __restrict__ kpool,
+                                            const __nv_bfloat16* __restrict__ vpool,
+                                            const unsigned int* __restrict__ rows,
+                                            const unsigned int* __restrict__ cu_k,
+                                            __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
+                                            float* __restrict__ part_lse, int heads, int kv_heads,
+                                            int chunk, float scale_log2) {
+    const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kq = lane >> 3, sl = lane & 7;
+    const unsigned k0 = cu_k[b];
+    const int len = (int)(cu_k[b + 1] - k0);
+    const int start = split * chunk, end = min(start + chunk, len);
+    const size_t width = (size_t)kv_heads * VD_D;
+    const __nv_bfloat16* kb = kpool + (size_t)g * VD_D + sl * 16;
+    const __nv_bfloat16* vb = vpool + (size_t)g * VD_D + sl * 16;
+
+    float qf[G][16];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        load16(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 16, qf[h]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) qf[h][i] *= scale_log2;
+    }
+    float m[G], l[G], acc[G][16];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) acc[h][i] = 0.f;
+    }
+
+    for (int j0 = start + warp * (4 * VD_TILE); j0 < end; j0 += VD_WARPS * 4 * VD_TILE) {
+        uint4 kr[VD_TILE][2], vr[VD_TILE][2];
+        bool ok[VD_TILE];
+#pragma unroll
+        for (int t = 0; t < VD_TILE; ++t) {
+            const int j = j0 + t * 4 + kq;
+            ok[t] = j < end;
+            if (ok[t]) {
+                const size_t row = (size_t)rows[k0 + j] * width;
+                kr[t][0] = *reinterpret_cast<const uint4*>(kb + row);
+                kr[t][1] = *reinterpret_cast<const uint4*>(kb + row + 8);
+                vr[t][0] = *reinterpret_cast<const uint4*>(vb + row);
+                vr[t][1] = *reinterpret_cast<const uint4*>(vb + row + 8);
+            } else {
+                kr[t][0] = kr[t][1] = vr[t][0] = vr[t][1] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        float s[VD_TILE][G];
+#pragma unroll
+        for (int t = 0; t < VD_TILE; ++t) {
+            float kf[16];
+            cvt16(kr[t], kf);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) d = fmaf(qf[h][i], kf[i], d);
+                d += __shfl_xor_sync(0xffffffff, d, 1);
+                d += __shfl_xor_sync(0xffffffff, d, 2);
+                d += __shfl_xor_sync(0xffffffff, d, 4);
+                s[t][h] = ok[t] ? d : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            float mt = m[h];
+#pragma unroll
+            for (int t = 0; t < VD_TILE; ++t) mt = fmaxf(mt, s[t][h]);
+            if (mt == -INFINITY) continue;  // no valid key for this group yet
+            const float c = rescale(m[h], mt);
+            l[h] *= c;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[h][i] *= c;
+            m[h] = mt;
+        }
+#pragma unroll
+        for (int t = 0; t < VD_TILE; ++t) {
+            float vf[16];
+            cvt16(vr[t], vf);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float p = ok[t] ? exp2f(s[t][h] - m[h]) : 0.f;
+                l[h] += p;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) acc[h][i] = fmaf(p, vf[i], acc[h][i]);
+            }
+        }
+    }
+
+    // Merge the 4 lane groups of the warp (lanes sl, sl+8, sl+16, sl+24 hold the same dims).
+#pragma unroll
+    for (int off = 8; off <= 16; off <<= 1) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[h], off);
+            const float lo = __shfl_xor_sync(0xffffffff, l[h], off);
+            const float mm = fmaxf(m[h], mo);
+            const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
+            l[h] = l[h] * ca + lo * cb;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], off);
+                acc[h][i] = acc[h][i] * ca + ao * cb;
+            }
+            m[h] = mm;
+        }
+    }
+
+    // Merge the warps through shared memory: warp w's lanes 0..7 write their 16 dims.
+    __shared__ float s_acc[VD_WARPS][G][VD_D];
+    __shared__ float s_m[VD_WARPS][G], s_l[VD_WARPS][G];
+    if (kq == 0) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) s_acc[warp][h][sl * 16 + i] = acc[h][i];
+            if (sl == 0) {
+                s_m[warp][h] = m[h];
+                s_l[warp][h] = l[h];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * VD_D; e += VD_THREADS) {
+        const int h = e / VD_D, dim = e % VD_D;
+        float mm = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < VD_WARPS; ++w) mm = fmaxf(mm, s_m[w][h]);
+        float lt = 0.f, at = 0.f;
+#pragma unroll
+        for (int w = 0; w < VD_WARPS; ++w) {
+            const float c = rescale(s_m[w][h], mm);
+            lt += s_l[w][h] * c;
+            at += s_acc[w][h][dim] * c;
+        }
+        const int hh = g * G + h;
+        const float o = lt > 0.f ? at / lt : 0.f;
+        if (nsplit == 1) {
+            out[((size_t)b * heads + hh) * VD_D + dim] = __float2bfloat16(o);
+        } else {
+            const size_t pi = ((size_t)b * heads + hh) * nsplit + split;
+            part_o[pi * VD_D + dim] = o;
+            if (dim == 0) part_lse[pi] = lt > 0.f ? mm + __log2f(lt) : -INFINITY;
+        }
+    }
+}
+
+}  // namespace vd
+
+#define VD_ARGS                                                                                  \
+    const __nv_bfloat16 *__restrict__ q, const __nv_bfloat16 *__restrict__ kpool,                \
+        const __nv_bfloat16 *__restrict__ vpool, const unsigned int *__restrict__ rows,          \
+        const unsigned int *__restrict__ cu_k, __nv_bfloat16 *__restrict__ out,                  \
+        float *__restrict__ part_o, float *__restrict__ part_lse, int heads, int kv_heads,       \
+        int chunk, float scale_log2
+#define VD_KERNEL(G)                                                                             \
+    extern "C" __global__ void __launch_bounds__(VD_THREADS) vime_decode_attn_g##G(VD_ARGS) {   \
+        vd::decode_impl<G>(q, kpool, vpool, rows, cu_k, out, part_o, part_lse, heads, kv_heads,  \
+                           chunk, scale_log2);                                                   \
+    }
+VD_KERNEL(1)
+VD_KERNEL(2)
+VD_KERNEL(3)
+VD_KERNEL(4)
+VD_KERNEL(5)
+VD_KERNEL(6)
+VD_KERNEL(7)
+VD_KERNEL(8)
+
+// Merges the splits of vime_decode_attn: grid (B * H), block 128 (one thread per dim).
+extern "C" __global__ void __launch_bounds__(VD_D)
+    vime_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+                        __nv_bfloat16* __restrict__ out, int nsplit) {
+    const size_t row = blockIdx.x;
+    const int dim = threadIdx.x;
+    const float* lse = part_lse + row * nsplit;
+    float mm = -INFINITY;
+    for (int s = 0; s < nsplit; ++s) mm = fmaxf(mm, lse[s]);
+    float wt = 0.f, o = 0.f;
+    for (int s = 0; s < nsplit; ++s) {
+        const float c = vd::rescale(lse[s], mm);
+        wt += c;
+        o += c * part_o[(row * nsplit + s) * VD_D + dim];
+    }
+    out[row * VD_D + dim] = __float2bfloat16(wt > 0.f ? o / wt : 0.f);
+}
