@@ -84,6 +84,9 @@ fn grpo_through_vime_serve(extra: &[&str], transfer: Option<vime_sync::RecvKind>
     let engine = Arc::new(EmbeddedEngine::load_hf(&made.model_dir, DType::F32, &Device::Cpu).unwrap());
     let mut cfg = ServeConfig::from_hf_dir(&made.model_dir, None).unwrap();
     cfg.weight_transfer = transfer;
+    // The sync's routes are dev endpoints; the trainer writes the reloaded folders under its --save.
+    cfg.dev_mode = true;
+    cfg.allowed_weights_root = Some(dir.path().canonicalize().unwrap());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

@@ -104,7 +104,7 @@ impl ServeProc {
         let port = pick_free_port().unwrap();
         let child = Command::new(vime_serve_bin())
             .arg(fixture())
-            .args(["--port", &port.to_string(), "--batch-window-ms", "2"])
+            .args(["--port", &port.to_string(), "--batch-window-ms", "2", "--dev-mode"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

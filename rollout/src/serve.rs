@@ -59,15 +59,23 @@
 //!   `return_tokens_as_token_ids` form). String prompts need the tokenizer.
 //! - Features the engine cannot honour (streaming, beam search, echo, stop strings, penalties,
 //!   logit bias, min_p, min_tokens, prompt logprobs, ...) are 400s naming the field, never ignored.
-//! - The dev endpoints (`/pause`, `/sleep`, `/collective_rpc`, ...) are always on; vLLM needs
-//!   `VLLM_SERVER_DEV_MODE=1` for them. The binary binds 127.0.0.1 unless told otherwise.
+//! - Security, as vLLM: the development endpoints (every route but `/health`, `/v1/models` and
+//!   `/v1/completions`: pause, sleep, weights, `/collective_rpc`, and their read-only companions,
+//!   exactly vLLM's set, [`ROUTES`]) are served only in dev mode (`ServeConfig::dev_mode`; the
+//!   binary's `--dev-mode` or vLLM's `VLLM_SERVER_DEV_MODE=1`); off, each answers 404 saying how to
+//!   turn it on. `reload_weights` reads only folders under `ServeConfig::allowed_weights_root`
+//!   (resolved first, so `..` and symlinks cannot leave it; 403 otherwise), by default the folder
+//!   holding the served checkpoint; vLLM has no such check. The binary binds 127.0.0.1 unless told
+//!   otherwise and warns when dev mode is on a non-loopback address.
+//! - [`parse_request`] is the one function that reads a client's path, query and body, and answers
+//!   every bad input with a 4xx (fuzzed by `tests/fuzz.rs`); the handlers only run what it returns.
 use crate::engine::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
 use anyhow::{Context, Result};
 use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{any, get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
@@ -136,6 +144,11 @@ pub struct ServeConfig {
     pub weight_transfer: Option<vime_sync::RecvKind>,
     /// Bound of a weight-sync rendezvous and of one bucket's receive.
     pub weight_transfer_timeout: Duration,
+    /// Serve the development endpoints ([`ROUTES`] with `dev`), as vLLM does with
+    /// `VLLM_SERVER_DEV_MODE=1`; off, they answer 404.
+    pub dev_mode: bool,
+    /// `reload_weights` reads only folders under this canonical path; `None` refuses every one.
+    pub allowed_weights_root: Option<PathBuf>,
 }
 
 impl ServeConfig {
@@ -177,6 +190,8 @@ impl ServeConfig {
             max_batch_size: 256,
             weight_transfer: None,
             weight_transfer_timeout: Duration::from_secs(300),
+            dev_mode: false,
+            allowed_weights_root: default_weights_root(dir),
         })
     }
 }
@@ -209,6 +224,25 @@ impl ApiError {
             message: message.into(),
             param: param.map(str::to_string),
         }
+    }
+    fn forbidden(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::FORBIDDEN,
+            err_type: "PermissionDeniedError",
+            message: message.into(),
+            param: None,
+        }
+    }
+    /// A dev route while dev mode is off: vLLM answers a bare 404 (the route is not mounted);
+    /// vime-serve says how to turn it on.
+    fn dev_mode_off(path: &str) -> Self {
+        Self::not_found(
+            format!(
+                "{path} is a development endpoint, off by default as in vLLM: start vime-serve with \
+                 --dev-mode (or VLLM_SERVER_DEV_MODE=1, what vLLM needs) to serve it"
+            ),
+            None,
+        )
     }
     fn internal(message: impl Into<String>) -> Self {
         Self {
@@ -600,7 +634,294 @@ impl Shared {
 
 type AppState = Arc<Shared>;
 
-/// Builds the axum app and starts its batcher task (call inside a tokio runtime).
+/// One route of the API. `dev` routes are vLLM's development endpoints: vLLM mounts them only with
+/// `VLLM_SERVER_DEV_MODE=1` (0.26: `entrypoints/openai/api_server.py:237` ->
+/// `entrypoints/serve/__init__.py::register_vllm_dev_api_routers`, every route under
+/// `entrypoints/serve/dev/`; 0.33: `entrypoints/launchers/api_server/routers.py`, plus
+/// `entrypoints/rl/online/api_router.py`), the read-only ones (`/is_paused`, `/is_sleeping`,
+/// `/get_world_size`, `/weight_info`) included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Route {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub dev: bool,
+}
+
+const fn route(method: &'static str, path: &'static str, dev: bool) -> Route {
+    Route { method, path, dev }
+}
+
+/// Every route vime-serve serves.
+pub const ROUTES: &[Route] = &[
+    route("GET", "/health", false),
+    route("GET", "/v1/models", false),
+    route("POST", "/v1/completions", false),
+    route("POST", "/pause", true),
+    route("POST", "/resume", true),
+    route("GET", "/is_paused", true),
+    route("POST", "/sleep", true),
+    route("POST", "/wake_up", true),
+    route("GET", "/is_sleeping", true),
+    route("POST", "/reset_prefix_cache", true),
+    route("GET", "/get_world_size", true),
+    route("POST", "/collective_rpc", true),
+    route("GET", "/weight_info", true),
+    route("POST", "/update_weight_version", true),
+    route("POST", "/init_weight_transfer_engine", true),
+    route("POST", "/start_weight_update", true),
+    route("POST", "/update_weights", true),
+    route("POST", "/finish_weight_update", true),
+];
+
+/// A request as vime-serve understood it, before anything runs. [`parse_request`] is the one place
+/// that reads a client's path, query string and body.
+pub enum Request {
+    Health,
+    Models,
+    Completion(CompletionParams),
+    Pause(PauseMode),
+    Resume,
+    IsPaused,
+    Sleep {
+        level: u32,
+        mode: PauseMode,
+    },
+    WakeUp {
+        tags: Vec<String>,
+    },
+    IsSleeping,
+    ResetPrefixCache,
+    GetWorldSize,
+    /// `collective_rpc("reload_weights")`: the folder, resolved and inside the allowed root.
+    ReloadWeights(PathBuf),
+    /// One of vime's worker-extension methods over `/collective_rpc`, its argument decoded.
+    Extension {
+        method: String,
+        arg: Value,
+    },
+    WeightInfo,
+    UpdateWeightVersion(String),
+    InitWeightTransfer(Value),
+    StartWeightUpdate,
+    UpdateWeights(Value),
+    FinishWeightUpdate {
+        weight_version: Option<String>,
+    },
+}
+
+/// Parses one request (`path` as routed, `query` without the `?`). Every refusal is a 4xx in
+/// vLLM's error shape: a dev route while dev mode is off is a 404 saying how to turn it on, a
+/// `reload_weights` folder outside the allowed root a 403.
+pub fn parse_request(cfg: &ServeConfig, path: &str, query: Option<&str>, body: &[u8]) -> Result<Request, ApiError> {
+    let Some(route) = ROUTES.iter().find(|r| r.path == path) else {
+        return Err(ApiError::not_found(format!("no route {path}"), None));
+    };
+    if route.dev && !cfg.dev_mode {
+        return Err(ApiError::dev_mode_off(path));
+    }
+    let pairs = query_pairs(query);
+    Ok(match path {
+        "/health" => Request::Health,
+        "/v1/models" => Request::Models,
+        "/v1/completions" => Request::Completion(parse_completion(cfg, body)?),
+        "/pause" => Request::Pause(parse_mode(&pairs)?),
+        "/resume" => Request::Resume,
+        "/is_paused" => Request::IsPaused,
+        "/sleep" => {
+            let level = match query_one(&pairs, "level").map(|l| l.parse::<u32>()) {
+                None => 1,
+                Some(Ok(l)) if l <= 2 => l,
+                Some(_) => {
+                    return Err(ApiError::bad_request(
+                        "level must be an integer in [0, 2]",
+                        Some("level"),
+                    ))
+                }
+            };
+            Request::Sleep {
+                level,
+                mode: parse_mode(&pairs)?,
+            }
+        }
+        "/wake_up" => Request::WakeUp {
+            tags: pairs.into_iter().filter(|(k, _)| k == "tags").map(|(_, v)| v).collect(),
+        },
+        "/is_sleeping" => Request::IsSleeping,
+        "/reset_prefix_cache" => Request::ResetPrefixCache,
+        "/get_world_size" => Request::GetWorldSize,
+        "/collective_rpc" => parse_collective_rpc(cfg, body)?,
+        "/weight_info" => Request::WeightInfo,
+        "/update_weight_version" => {
+            let v: Value = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}"), None))?;
+            match v.get("new_version").and_then(|x| x.as_str()) {
+                Some(n) => Request::UpdateWeightVersion(n.to_string()),
+                None => {
+                    return Err(ApiError::bad_request(
+                        "body must be {\"new_version\": string}",
+                        Some("new_version"),
+                    ))
+                }
+            }
+        }
+        "/init_weight_transfer_engine" => Request::InitWeightTransfer(body_key(body, "init_info")?),
+        "/start_weight_update" => Request::StartWeightUpdate,
+        "/update_weights" => Request::UpdateWeights(body_key(body, "update_info")?),
+        "/finish_weight_update" => {
+            let weight_version = match json_body(body)?.get("weight_version") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(v)) => Some(v.clone()),
+                Some(other) => {
+                    return Err(ApiError::bad_request(
+                        format!("weight_version must be a string, got {other}"),
+                        Some("weight_version"),
+                    ))
+                }
+            };
+            Request::FinishWeightUpdate { weight_version }
+        }
+        other => return Err(ApiError::not_found(format!("no route {other}"), None)),
+    })
+}
+
+/// The vime worker-extension methods `/collective_rpc` answers besides `reload_weights`.
+const EXTENSION_METHODS: [&str; 6] = {
+    use vime_sync::protocol as p;
+    [
+        p::EXT_INIT,
+        p::EXT_START,
+        p::EXT_UPDATE,
+        p::EXT_FINISH,
+        p::EXT_INFO,
+        p::RPC_CHECKSUMS,
+    ]
+};
+
+fn parse_collective_rpc(cfg: &ServeConfig, body: &[u8]) -> Result<Request, ApiError> {
+    let body: Value =
+        serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}"), None))?;
+    let Some(obj) = body.as_object() else {
+        return Err(ApiError::bad_request("Request body must be a JSON object", None));
+    };
+    let method = match obj.get("method") {
+        Some(Value::String(m)) => m.as_str(),
+        _ => return Err(ApiError::bad_request("Missing 'method' in request body", None)),
+    };
+    if EXTENSION_METHODS.contains(&method) {
+        // One JSON-string argument, as the worker extension takes it.
+        let arg = match obj.get("args").and_then(|a| a.get(0)) {
+            Some(Value::String(t)) => serde_json::from_str(t)
+                .map_err(|e| ApiError::bad_request(format!("{method}: args[0] is not JSON: {e}"), Some("args")))?,
+            None => json!({}),
+            Some(other) => {
+                return Err(ApiError::bad_request(
+                    format!("{method}: args[0] must be a JSON string, got {other}"),
+                    Some("args"),
+                ))
+            }
+        };
+        return Ok(Request::Extension {
+            method: method.to_string(),
+            arg,
+        });
+    }
+    if method != "reload_weights" {
+        return Err(ApiError::bad_request(
+            format!(
+                "vime-serve implements the collective_rpc methods \"reload_weights\" and vime's weight-transfer \
+                 extension (vime_*) only, got {method:?}"
+            ),
+            Some("method"),
+        ));
+    }
+    let path = obj
+        .get("kwargs")
+        .and_then(|k| k.get("weights_path"))
+        .or_else(|| obj.get("args").and_then(|a| a.get(1)))
+        .and_then(|p| p.as_str());
+    let Some(path) = path else {
+        return Err(ApiError::bad_request(
+            "reload_weights needs kwargs.weights_path (an HF safetensors directory); vime-serve cannot \
+             reload from the original path",
+            Some("kwargs"),
+        ));
+    };
+    resolve_weights_path(path, cfg.allowed_weights_root.as_deref()).map(Request::ReloadWeights)
+}
+
+/// The `reload_weights` root when none is given: the folder that holds the served checkpoint (so
+/// sibling folders, e.g. `runs/step-10` next to `runs/base`, reload), or the checkpoint itself when
+/// that folder is `/`. `None` when the checkpoint does not resolve.
+pub fn default_weights_root(checkpoint: &Path) -> Option<PathBuf> {
+    let real = checkpoint.canonicalize().ok()?;
+    match real.parent() {
+        Some(p) if p.parent().is_some() => Some(p.to_path_buf()),
+        _ => Some(real),
+    }
+}
+
+/// `path` with `.` and `..` removed lexically, made absolute against the working directory.
+fn lexical_absolute(path: &Path) -> PathBuf {
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut out = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// The folder a `reload_weights` names, resolved (`..` and symlinks followed), or a refusal: 403
+/// when it lies outside `root` (a canonical path; `None` refuses every folder), 400 when it is not
+/// a directory. A path that does not resolve is judged by its lexical form, so a path outside the
+/// root is refused the same way whether or not it exists. Links inside the folder are its owner's
+/// business: the check is on the folder.
+pub fn resolve_weights_path(path: &str, root: Option<&Path>) -> Result<PathBuf, ApiError> {
+    let Some(root) = root else {
+        return Err(ApiError::forbidden(format!(
+            "reload_weights from {path:?} refused: vime-serve has no allowed weights root \
+             (start it with --allowed-weights-root DIR)"
+        )));
+    };
+    let outside = |resolved: &Path| {
+        let via = if resolved == Path::new(path) {
+            String::new()
+        } else {
+            format!(" (resolves to {})", resolved.display())
+        };
+        ApiError::forbidden(format!(
+            "weights_path {path:?}{via} is outside the allowed weights root {} \
+             (vime-serve --allowed-weights-root DIR sets it)",
+            root.display()
+        ))
+    };
+    match std::fs::canonicalize(path) {
+        Ok(real) if !real.starts_with(root) => Err(outside(&real)),
+        Ok(real) if !real.is_dir() => Err(ApiError::bad_request(
+            format!("weights_path {path:?} is not a directory"),
+            Some("kwargs"),
+        )),
+        Ok(real) => Ok(real),
+        Err(e) => {
+            let lexical = lexical_absolute(Path::new(path));
+            if !lexical.starts_with(root) {
+                return Err(outside(&lexical));
+            }
+            Err(ApiError::bad_request(
+                format!("weights_path {path:?} is not a directory ({e})"),
+                Some("kwargs"),
+            ))
+        }
+    }
+}
+
+/// Builds the axum app and starts its batcher task (call inside a tokio runtime). With
+/// `cfg.dev_mode` off, the dev routes answer 404 with how to turn them on.
 pub fn app(engine: Arc<dyn RolloutEngine>, cfg: ServeConfig) -> Router {
     let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
@@ -628,26 +949,23 @@ pub fn app(engine: Arc<dyn RolloutEngine>, cfg: ServeConfig) -> Router {
         pause_waiters: Vec::new(),
     };
     tokio::spawn(batcher.run());
-    Router::new()
-        .route("/health", get(health))
-        .route("/v1/models", get(models))
-        .route("/v1/completions", post(completions))
-        .route("/pause", post(pause))
-        .route("/resume", post(resume))
-        .route("/is_paused", get(is_paused))
-        .route("/sleep", post(sleep))
-        .route("/wake_up", post(wake_up))
-        .route("/is_sleeping", get(is_sleeping))
-        .route("/reset_prefix_cache", post(reset_prefix_cache))
-        .route("/get_world_size", get(get_world_size))
-        .route("/collective_rpc", post(collective_rpc))
-        .route("/weight_info", get(weight_info))
-        .route("/update_weight_version", post(update_weight_version))
-        .route("/init_weight_transfer_engine", post(init_weight_transfer_engine))
-        .route("/start_weight_update", post(start_weight_update))
-        .route("/update_weights", post(update_weights))
-        .route("/finish_weight_update", post(finish_weight_update))
-        .with_state(shared)
+    let mut router = Router::new();
+    for r in ROUTES {
+        let path = r.path;
+        let handler = move |State(s): State<AppState>, RawQuery(q): RawQuery, body: Bytes| async move {
+            match parse_request(&s.cfg, path, q.as_deref(), &body) {
+                Ok(req) => execute(&s, req).await,
+                Err(e) => e.into_response(),
+            }
+        };
+        let method = match (r.dev && !cfg.dev_mode, r.method) {
+            (true, _) => any(handler),
+            (false, "GET") => get(handler),
+            (false, _) => post(handler),
+        };
+        router = router.route(path, method);
+    }
+    router.with_state(shared)
 }
 
 /// Serves `app(engine, cfg)` on `listener` until `shutdown` resolves.
@@ -664,15 +982,62 @@ pub async fn serve(
         .context("vime-serve HTTP server failed")
 }
 
-async fn health(State(s): State<AppState>) -> Response {
-    if s.tx.is_closed() {
-        StatusCode::SERVICE_UNAVAILABLE.into_response()
-    } else {
-        StatusCode::OK.into_response()
+/// Runs a parsed request.
+async fn execute(s: &AppState, req: Request) -> Response {
+    match req {
+        Request::Health if s.tx.is_closed() => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+        Request::Health => StatusCode::OK.into_response(),
+        Request::Models => models(s),
+        Request::Completion(p) => completions(s, p).await,
+        Request::Pause(mode) => match s.send(|done| Msg::Pause { mode, done }).await {
+            Ok(()) => Json(json!({"status": "paused"})).into_response(),
+            Err(e) => e.into_response(),
+        },
+        Request::Resume => match s.send(|done| Msg::Resume { done }).await {
+            Ok(()) => Json(json!({"status": "resumed"})).into_response(),
+            Err(e) => e.into_response(),
+        },
+        Request::IsPaused => {
+            let p = s.paused.lock().unwrap().is_some();
+            Json(json!({"is_paused": p})).into_response()
+        }
+        Request::Sleep { level, mode } => sleep(s, level, mode).await,
+        Request::WakeUp { tags } => wake_up(s, tags).await,
+        Request::IsSleeping => {
+            let sleeping = s.sleeping.lock().unwrap().is_some();
+            Json(json!({"is_sleeping": sleeping})).into_response()
+        }
+        // No prefix cache here.
+        Request::ResetPrefixCache => Json(json!({"success": true})).into_response(),
+        // TP x PP x DP of the engine: vime-serve is one process.
+        Request::GetWorldSize => Json(json!({"world_size": 1})).into_response(),
+        Request::ReloadWeights(dir) => reload_weights(s, dir).await,
+        Request::Extension { method, arg } => extension_rpc(s, &method, arg).await,
+        Request::WeightInfo => Json(json!({"weight_version": s.version_label()})).into_response(),
+        Request::UpdateWeightVersion(v) => {
+            *s.weight_label.lock().unwrap() = Some(v.clone());
+            Json(json!({"success": true, "new_version": v})).into_response()
+        }
+        Request::InitWeightTransfer(info) => {
+            reply(weight_op(s, SyncOp::Init(info)).await, "Weight transfer initialized")
+        }
+        Request::StartWeightUpdate => reply(weight_op(s, SyncOp::Start).await, "Weight update started"),
+        // Answers once the engine holds the bucket.
+        Request::UpdateWeights(info) => reply(weight_op(s, SyncOp::Update(info)).await, "Weights updated"),
+        // vLLM 0.33 takes the version here.
+        Request::FinishWeightUpdate { weight_version } => {
+            let r = weight_op(s, SyncOp::Finish).await;
+            if r.is_ok() {
+                if let Some(v) = weight_version {
+                    *s.weight_label.lock().unwrap() = Some(v);
+                }
+            }
+            reply(r, "Weight update finished")
+        }
     }
 }
 
-async fn models(State(s): State<AppState>) -> Response {
+fn models(s: &AppState) -> Response {
     Json(json!({
         "object": "list",
         "data": [{
@@ -703,7 +1068,7 @@ async fn models(State(s): State<AppState>) -> Response {
 }
 
 /// Query string pairs, percent-decoded, repeated keys kept (`tags=a&tags=b`).
-fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
+fn query_pairs(q: Option<&str>) -> Vec<(String, String)> {
     let Some(q) = q else { return vec![] };
     q.split('&')
         .filter(|p| !p.is_empty())
@@ -713,7 +1078,6 @@ fn query_pairs(q: &Option<String>) -> Vec<(String, String)> {
         })
         .collect()
 }
-
 fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
@@ -746,43 +1110,9 @@ fn parse_mode(pairs: &[(String, String)]) -> Result<PauseMode, ApiError> {
     }
 }
 
-async fn pause(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
-    let pairs = query_pairs(&q);
-    let mode = match parse_mode(&pairs) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    match s.send(|done| Msg::Pause { mode, done }).await {
-        Ok(()) => Json(json!({"status": "paused"})).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn resume(State(s): State<AppState>) -> Response {
-    match s.send(|done| Msg::Resume { done }).await {
-        Ok(()) => Json(json!({"status": "resumed"})).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn is_paused(State(s): State<AppState>) -> Response {
-    let p = s.paused.lock().unwrap().is_some();
-    Json(json!({"is_paused": p})).into_response()
-}
-
 const SLEEP_TAGS: [&str; 2] = ["weights", "kv_cache"];
 
-async fn sleep(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
-    let pairs = query_pairs(&q);
-    let level = match query_one(&pairs, "level").map(|l| l.parse::<u32>()) {
-        None => 1,
-        Some(Ok(l)) if l <= 2 => l,
-        Some(_) => return ApiError::bad_request("level must be an integer in [0, 2]", Some("level")).into_response(),
-    };
-    let mode = match parse_mode(&pairs) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
+async fn sleep(s: &AppState, level: u32, mode: PauseMode) -> Response {
     if let Err(e) = s.send(|done| Msg::Pause { mode, done }).await {
         return e.into_response();
     }
@@ -801,12 +1131,7 @@ async fn sleep(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
     Json(json!({"status": "sleeping", "level": level})).into_response()
 }
 
-async fn wake_up(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
-    let tags: Vec<String> = query_pairs(&q)
-        .into_iter()
-        .filter(|(k, _)| k == "tags")
-        .map(|(_, v)| v)
-        .collect();
+async fn wake_up(s: &AppState, tags: Vec<String>) -> Response {
     let fully_awake = {
         let mut sleeping = s.sleeping.lock().unwrap();
         match sleeping.as_mut() {
@@ -848,76 +1173,9 @@ async fn wake_up(State(s): State<AppState>, RawQuery(q): RawQuery) -> Response {
     Json(json!({"status": if fully_awake { "awake" } else { "sleeping" }, "tags": tags})).into_response()
 }
 
-async fn is_sleeping(State(s): State<AppState>) -> Response {
-    let sleeping = s.sleeping.lock().unwrap().is_some();
-    Json(json!({"is_sleeping": sleeping})).into_response()
-}
-
-/// vLLM's `GET /get_world_size` (TP x PP x DP of the engine): vime-serve is one process.
-async fn get_world_size() -> Response {
-    Json(json!({"world_size": 1})).into_response()
-}
-
-async fn reset_prefix_cache() -> Response {
-    Json(json!({"success": true})).into_response()
-}
-
-async fn collective_rpc(State(s): State<AppState>, body: Bytes) -> Response {
-    let body: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return ApiError::bad_request(format!("JSON decode error: {e}"), None).into_response(),
-    };
-    let Some(obj) = body.as_object() else {
-        return ApiError::bad_request("Request body must be a JSON object", None).into_response();
-    };
-    let method = match obj.get("method") {
-        Some(Value::String(m)) => m.as_str(),
-        _ => return ApiError::bad_request("Missing 'method' in request body", None).into_response(),
-    };
-    {
-        use vime_sync::protocol as p;
-        if [
-            p::EXT_INIT,
-            p::EXT_START,
-            p::EXT_UPDATE,
-            p::EXT_FINISH,
-            p::EXT_INFO,
-            p::RPC_CHECKSUMS,
-        ]
-        .contains(&method)
-        {
-            let method = method.to_string();
-            return extension_rpc(&s, &method, obj).await;
-        }
-    }
-    if method != "reload_weights" {
-        return ApiError::bad_request(
-            format!(
-                "vime-serve implements the collective_rpc methods \"reload_weights\" and vime's weight-transfer \
-                 extension (vime_*) only, got {method:?}"
-            ),
-            Some("method"),
-        )
-        .into_response();
-    }
-    let path = obj
-        .get("kwargs")
-        .and_then(|k| k.get("weights_path"))
-        .or_else(|| obj.get("args").and_then(|a| a.get(1)))
-        .and_then(|p| p.as_str());
-    let Some(path) = path else {
-        return ApiError::bad_request(
-            "reload_weights needs kwargs.weights_path (an HF safetensors directory); vime-serve cannot \
-             reload from the original path",
-            Some("kwargs"),
-        )
-        .into_response();
-    };
-    let dir = PathBuf::from(path);
-    if !dir.is_dir() {
-        return ApiError::bad_request(format!("weights_path {path:?} is not a directory"), Some("kwargs"))
-            .into_response();
-    }
+/// `collective_rpc("reload_weights")` on a folder [`resolve_weights_path`] let through.
+async fn reload_weights(s: &AppState, dir: PathBuf) -> Response {
+    let path = dir.display().to_string();
     match s.send(|done| Msg::Reload { dir, done }).await {
         Ok(Ok(version)) => {
             eprintln!("vime-serve: reloaded weights from {path}, weight_version {version}");
@@ -977,73 +1235,10 @@ fn body_key(body: &[u8], key: &str) -> Result<Value, ApiError> {
         .ok_or_else(|| ApiError::bad_request(format!("Missing '{key}' in request body"), Some(key)))
 }
 
-/// `POST /init_weight_transfer_engine {"init_info": {...}}`.
-async fn init_weight_transfer_engine(State(s): State<AppState>, body: Bytes) -> Response {
-    match body_key(&body, "init_info") {
-        Ok(info) => reply(weight_op(&s, SyncOp::Init(info)).await, "Weight transfer initialized"),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn start_weight_update(State(s): State<AppState>) -> Response {
-    reply(weight_op(&s, SyncOp::Start).await, "Weight update started")
-}
-
-/// `POST /update_weights {"update_info": {...}}`: answers once the engine holds the bucket.
-async fn update_weights(State(s): State<AppState>, body: Bytes) -> Response {
-    match body_key(&body, "update_info") {
-        Ok(info) => reply(weight_op(&s, SyncOp::Update(info)).await, "Weights updated"),
-        Err(e) => e.into_response(),
-    }
-}
-
-/// `POST /finish_weight_update [{"weight_version": str}]` (vLLM 0.33 takes the version here).
-async fn finish_weight_update(State(s): State<AppState>, body: Bytes) -> Response {
-    let m = match json_body(&body) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    let version = match m.get("weight_version") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(v)) => Some(v.clone()),
-        Some(other) => {
-            return ApiError::bad_request(
-                format!("weight_version must be a string, got {other}"),
-                Some("weight_version"),
-            )
-            .into_response()
-        }
-    };
-    let r = weight_op(&s, SyncOp::Finish).await;
-    if r.is_ok() {
-        if let Some(v) = version {
-            *s.weight_label.lock().unwrap() = Some(v);
-        }
-    }
-    reply(r, "Weight update finished")
-}
-
 /// vime's worker-extension methods over `/collective_rpc` (one JSON-string argument), so the
 /// sender's worker-extension protocol runs against vime-serve exactly as against vLLM.
-async fn extension_rpc(s: &AppState, method: &str, obj: &Map<String, Value>) -> Response {
+async fn extension_rpc(s: &AppState, method: &str, arg: Value) -> Response {
     use vime_sync::protocol as p;
-    let arg: Value = match obj.get("args").and_then(|a| a.get(0)) {
-        Some(Value::String(t)) => match serde_json::from_str(t) {
-            Ok(v) => v,
-            Err(e) => {
-                return ApiError::bad_request(format!("{method}: args[0] is not JSON: {e}"), Some("args"))
-                    .into_response()
-            }
-        },
-        None => json!({}),
-        Some(other) => {
-            return ApiError::bad_request(
-                format!("{method}: args[0] must be a JSON string, got {other}"),
-                Some("args"),
-            )
-            .into_response()
-        }
-    };
     let r = match method {
         m if m == p::EXT_INIT => weight_op(s, SyncOp::Init(arg)).await,
         m if m == p::EXT_START => weight_op(s, SyncOp::Start).await,
@@ -1075,22 +1270,6 @@ async fn extension_rpc(s: &AppState, method: &str, obj: &Map<String, Value>) -> 
         Ok(v) => Json(json!({"results": [v]})).into_response(),
         Err(e) => e.into_response(),
     }
-}
-
-async fn weight_info(State(s): State<AppState>) -> Response {
-    Json(json!({"weight_version": s.version_label()})).into_response()
-}
-
-async fn update_weight_version(State(s): State<AppState>, body: Bytes) -> Response {
-    let v: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return ApiError::bad_request(format!("JSON decode error: {e}"), None).into_response(),
-    };
-    let Some(new_version) = v.get("new_version").and_then(|x| x.as_str()) else {
-        return ApiError::bad_request("body must be {\"new_version\": string}", Some("new_version")).into_response();
-    };
-    *s.weight_label.lock().unwrap() = Some(new_version.to_string());
-    Json(json!({"success": true, "new_version": new_version})).into_response()
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1173,7 +1352,14 @@ fn reject_unsupported(extra: &Map<String, Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
-struct Parsed {
+/// Most sequences (prompts x `n`) one completion request may ask for; vLLM has no such bound, but a
+/// server that allocates per sequence needs one.
+pub const MAX_SEQUENCES_PER_REQUEST: usize = 1 << 16;
+/// Most token ids (each sequence's prompt and stop ids) one completion request may expand to.
+pub const MAX_EXPANDED_TOKEN_IDS: usize = 1 << 24;
+
+/// A completion request, checked: what the engine runs and how the answer is spelled.
+pub struct CompletionParams {
     prompts: Vec<Vec<u32>>,
     n: usize,
     params: Vec<SamplingParams>,
@@ -1187,7 +1373,7 @@ struct Parsed {
     request_id: Option<String>,
 }
 
-fn parse_completion(cfg: &ServeConfig, body: &[u8]) -> Result<Parsed, ApiError> {
+fn parse_completion(cfg: &ServeConfig, body: &[u8]) -> Result<CompletionParams, ApiError> {
     let req: CompletionRequest =
         serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request body: {e}"), None))?;
     reject_unsupported(&req.extra)?;
@@ -1325,7 +1511,30 @@ fn parse_completion(cfg: &ServeConfig, body: &[u8]) -> Result<Parsed, ApiError> 
             }
         }
     }
-    let mut params = Vec::with_capacity(prompts.len() * n as usize);
+    // Every sequence holds its own prompt and stop ids: bound what one request expands to before
+    // allocating it (found by `tests/fuzz.rs`: `"n": 4294967296` asked for 309 GB and aborted).
+    let seqs = prompts.len().saturating_mul(n as usize);
+    if seqs > MAX_SEQUENCES_PER_REQUEST {
+        return Err(ApiError::bad_request(
+            format!(
+                "n ({n}) x {} prompt(s) is {seqs} sequences, more than vime-serve's limit of \
+                 {MAX_SEQUENCES_PER_REQUEST} per request",
+                prompts.len()
+            ),
+            Some("n"),
+        ));
+    }
+    let ids = (prompts.iter().map(|p| p.len() + stops.len()).sum::<usize>()).saturating_mul(n as usize);
+    if ids > MAX_EXPANDED_TOKEN_IDS {
+        return Err(ApiError::bad_request(
+            format!(
+                "n ({n}) copies of the prompts and their stop ids are {ids} token ids, more than \
+                 vime-serve's limit of {MAX_EXPANDED_TOKEN_IDS} per request; send fewer prompts or a smaller n"
+            ),
+            Some("n"),
+        ));
+    }
+    let mut params = Vec::with_capacity(seqs);
     for p in &prompts {
         let room = cfg.max_model_len - p.len();
         for i in 0..n {
@@ -1340,7 +1549,7 @@ fn parse_completion(cfg: &ServeConfig, body: &[u8]) -> Result<Parsed, ApiError> 
             });
         }
     }
-    Ok(Parsed {
+    Ok(CompletionParams {
         prompts,
         n: n as usize,
         params,
@@ -1354,11 +1563,7 @@ fn parse_completion(cfg: &ServeConfig, body: &[u8]) -> Result<Parsed, ApiError> 
     })
 }
 
-async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
-    let parsed = match parse_completion(&s.cfg, &body) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
+async fn completions(s: &AppState, parsed: CompletionParams) -> Response {
     let requests: Vec<GenRequest> = parsed
         .prompts
         .iter()
@@ -1387,7 +1592,7 @@ async fn completions(State(s): State<AppState>, body: Bytes) -> Response {
     Json(completion_response(&s.cfg, &parsed, outs, &version)).into_response()
 }
 
-fn completion_response(cfg: &ServeConfig, p: &Parsed, outs: Vec<GenOutput>, version: &str) -> Value {
+fn completion_response(cfg: &ServeConfig, p: &CompletionParams, outs: Vec<GenOutput>, version: &str) -> Value {
     let tok = cfg.tokenizer.as_deref();
     let decode = |ids: &[u32]| -> String {
         tok.and_then(|t| t.decode(ids, p.skip_special_tokens).ok())

@@ -45,7 +45,11 @@
 //! - `update_weights_from_dir` pauses the engines with `mode=keep` around the reload unless the caller
 //!   already paused them, so no completion mixes weights; `weight_version` is the client's own counter,
 //!   also written to every engine with `/update_weight_version`.
-//! - The launcher runs each engine in its own process group with `VLLM_SERVER_DEV_MODE=1`, logs to
+//! - The launcher binds each engine to 127.0.0.1 unless given a host (`--vllm-host`), and runs it with
+//!   `VLLM_SERVER_DEV_MODE=1` (the sync needs the dev endpoints), saying so in one line per engine
+//!   with its address (a warning when that is not loopback); `VIME_ALLOWED_WEIGHTS_ROOT` tells a
+//!   vime-serve engine where `reload_weights` may read (vLLM has no such check and ignores it).
+//!   Each engine runs in its own process group, logs to
 //!   `<log_dir>/vllm-engine-<i>.log`, waits for `GET /health` up to a deadline (failing early with
 //!   the log's tail when a child exits), and on drop sends SIGTERM to each group, then SIGKILL after
 //!   a grace period. Children also get SIGTERM if the launching thread dies (`PR_SET_PDEATHSIG`):
@@ -1123,6 +1127,9 @@ pub struct VllmLaunchConfig {
     pub extra_args: Vec<String>,
     /// Extra environment for the engines (`VLLM_SERVER_DEV_MODE=1` is always set).
     pub env: Vec<(String, String)>,
+    /// Where a vime-serve engine's `reload_weights` may read (`VIME_ALLOWED_WEIGHTS_ROOT`); vLLM
+    /// ignores the variable.
+    pub allowed_weights_root: Option<PathBuf>,
     /// GPUs to split among engines (`tensor_parallel_size` each, via `CUDA_VISIBLE_DEVICES`);
     /// `None` leaves the variable alone.
     pub gpus: Option<Vec<usize>>,
@@ -1145,6 +1152,7 @@ impl Default for VllmLaunchConfig {
             worker_extension_cls: None,
             extra_args: Vec::new(),
             env: Vec::new(),
+            allowed_weights_root: None,
             gpus: None,
             log_dir: PathBuf::from("logs"),
             health_timeout: Duration::from_secs(900),
@@ -1161,6 +1169,13 @@ struct Launched {
 /// Engines started by vime; stopped (process group SIGTERM, then SIGKILL) on drop.
 pub struct VllmLauncher {
     engines: Vec<Launched>,
+}
+
+/// Whether `host` (an address or `localhost`) is a loopback address: anything else exposes an
+/// engine's endpoints to the network.
+pub fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost") || h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A free TCP port on 127.0.0.1 (bound and released; another process could take it in between).
@@ -1231,6 +1246,11 @@ impl VllmLauncher {
             let mut cmd = Command::new(&cfg.program);
             cmd.args(cfg.args(port))
                 .env("VLLM_SERVER_DEV_MODE", "1")
+                .envs(
+                    cfg.allowed_weights_root
+                        .iter()
+                        .map(|r| ("VIME_ALLOWED_WEIGHTS_ROOT", r)),
+                )
                 .envs(cfg.env.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())
                 .stdout(out)
@@ -1266,6 +1286,20 @@ impl VllmLauncher {
                 child.id(),
                 log.display()
             );
+            if is_loopback_host(&cfg.host) {
+                eprintln!(
+                    "vime: engine {i}'s dev endpoints (/collective_rpc, /pause, /sleep, weight transfer; \
+                     VLLM_SERVER_DEV_MODE=1) are exposed on {}:{port}, loopback only",
+                    cfg.host
+                );
+            } else {
+                eprintln!(
+                    "vime: SECURITY WARNING: engine {i}'s dev endpoints (/collective_rpc, /pause, /sleep, \
+                     weight transfer; VLLM_SERVER_DEV_MODE=1) are exposed on {}:{port}, a non-loopback \
+                     address: anyone who can reach it can replace the engine's weights",
+                    cfg.host
+                );
+            }
             launcher.engines.push(Launched {
                 url: format!("http://{host}:{port}"),
                 child,
@@ -1425,6 +1459,10 @@ pub struct VllmArgs {
     /// First port of the launched engines; free ports when unset.
     #[arg(long)]
     pub vllm_base_port: Option<u16>,
+    /// vime: the address launched engines bind. They run with VLLM_SERVER_DEV_MODE=1 (weight sync
+    /// needs it), so anything but loopback exposes /collective_rpc and the weight routes.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub vllm_host: String,
     #[arg(long, default_value = "logs")]
     pub vllm_log_dir: PathBuf,
     /// Seconds to wait for launched engines' /health.
@@ -1443,6 +1481,10 @@ pub struct VllmArgs {
     /// placement).
     #[arg(skip)]
     pub vllm_gpus: Option<Vec<usize>>,
+    /// Where launched vime-serve engines may `reload_weights` from (set by the trainer: the folder
+    /// it writes weights to for them).
+    #[arg(skip)]
+    pub allowed_weights_root: Option<PathBuf>,
 }
 
 impl VllmArgs {
@@ -1454,6 +1496,7 @@ impl VllmArgs {
             program_args: words.collect(),
             model: model.to_string(),
             num_engines: self.vllm_num_engines,
+            host: self.vllm_host.clone(),
             base_port: self.vllm_base_port,
             tensor_parallel_size: self.rollout_num_gpus_per_engine,
             gpu_memory_utilization: self.vllm_gpu_memory_utilization,
@@ -1462,6 +1505,7 @@ impl VllmArgs {
             log_dir: self.vllm_log_dir.clone(),
             health_timeout: Duration::from_secs_f64(self.vllm_health_timeout),
             gpus: self.vllm_gpus.clone(),
+            allowed_weights_root: self.allowed_weights_root.clone(),
             extra_args: self.engine_flags(),
             ..Default::default()
         }

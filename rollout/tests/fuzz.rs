@@ -6,8 +6,9 @@
 //! Targets: prompt JSONL rows through `PromptDataset::load` (three flag sets; every error must
 //! name the file), the chat-template input (messages, tools, kwargs) through the Qwen3 template,
 //! the math-answer parser and every rule-based grader, and the vLLM client's response parsing
-//! (`parse_completion`, `parse_router_workers`). Crashes the fuzzer found are regression tests
-//! at the end of this file.
+//! (`parse_completion`, `parse_router_workers`), and vime-serve's requests (`serve::parse_request`:
+//! every route's query and body, dev mode on and off, `reload_weights` folders against the allowed
+//! root). Crashes the fuzzer found are regression tests at the end of this file.
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use vime_kernels::testing::fuzz::{self, random_json, Budget, CountingAlloc, Inputs};
@@ -16,6 +17,7 @@ use vime_rollout::data::{to_template_value, ChatOptions, DataArgs, PromptDataset
 use vime_rollout::reward::boxed::last_boxed_answer;
 use vime_rollout::reward::math::{self, ExtractConfig};
 use vime_rollout::reward::{dapo, deepscaler, rule_reward};
+use vime_rollout::serve::{self, ServeConfig};
 use vime_rollout::vllm::{parse_completion, parse_router_workers};
 
 #[global_allocator]
@@ -588,6 +590,275 @@ fn fuzz_vllm_response_parsing() {
     .assert_clean();
 }
 
+// ---- vime-serve request bodies ------------------------------------------------------------
+
+const SERVE_KEYS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "logprobs",
+    "stop_token_ids",
+    "ignore_eos",
+    "return_token_ids",
+    "add_special_tokens",
+    "stream",
+    "stop",
+    "min_tokens",
+    "method",
+    "args",
+    "kwargs",
+    "weights_path",
+    "init_info",
+    "update_info",
+    "weight_version",
+    "new_version",
+    "names",
+    "shapes",
+];
+const SERVE_QUERIES: &[&str] = &[
+    "mode=abort",
+    "mode=wait",
+    "mode=keep&clear_cache=false",
+    "mode=later",
+    "level=0",
+    "level=2&mode=keep",
+    "level=3",
+    "level=-1",
+    "level=99999999999999999999",
+    "tags=weights",
+    "tags=kv_cache&tags=weights&tags=scheduling",
+    "tags=%E2%82",
+    "%",
+    "%zz=%",
+    "&&=&",
+    "mode",
+];
+
+/// A scratch weights root for `reload_weights`: `ckpt/` (a folder), `file` (not a folder),
+/// `out` (a symlink to `/`), `loop` (a symlink to itself).
+fn weights_root() -> (tempfile::TempDir, PathBuf) {
+    let dir = scratch_dir();
+    let root = dir.path().canonicalize().unwrap();
+    std::fs::create_dir(root.join("ckpt")).unwrap();
+    std::fs::write(root.join("file"), b"x").unwrap();
+    std::os::unix::fs::symlink("/", root.join("out")).unwrap();
+    std::os::unix::fs::symlink(root.join("loop"), root.join("loop")).unwrap();
+    (dir, root)
+}
+
+/// What vime-serve parses, dev mode on (with the weights root) and off.
+fn serve_configs(root: &Path) -> [ServeConfig; 2] {
+    let tok = tokenizers::Tokenizer::from_file(repo().join("tests/assets/qwen3-tokenizer/tokenizer.json"))
+        .expect("vendored Qwen3 tokenizer");
+    let on = ServeConfig {
+        served_model_name: "tiny".into(),
+        model_path: "/models/tiny".into(),
+        max_model_len: 64,
+        vocab_size: 151_936,
+        eos_token_ids: vec![151_645],
+        tokenizer: Some(std::sync::Arc::new(tok)),
+        batch_window: std::time::Duration::from_millis(5),
+        max_batch_size: 256,
+        weight_transfer: None,
+        weight_transfer_timeout: std::time::Duration::from_secs(1),
+        dev_mode: true,
+        allowed_weights_root: Some(root.to_path_buf()),
+    };
+    let off = ServeConfig {
+        dev_mode: false,
+        ..on.clone()
+    };
+    [on, off]
+}
+
+/// `ROUTE[?QUERY]\nBODY` seeds: a valid request for every route, and the paths the root must
+/// refuse (`..`, a symlink out, a folder outside).
+fn serve_seeds(root: &Path) -> Vec<Vec<u8>> {
+    let r = root.display();
+    let reload = |p: &str| {
+        format!(
+            r#"/collective_rpc{}{{"method": "reload_weights", "args": [], "kwargs": {{"weights_path": "{p}"}}}}"#,
+            "\n"
+        )
+    };
+    let mut v: Vec<String> = [
+        "/health\n",
+        "/v1/models\n",
+        r#"/v1/completions
+{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 7, "logprobs": 0, "return_token_ids": true, "stop_token_ids": [5]}"#,
+        r#"/v1/completions
+{"prompt": [[1, 2], [3]], "max_tokens": 100, "ignore_eos": true, "return_weight_versions": true, "request_id": "r"}"#,
+        r#"/v1/completions
+{"prompt": ["What is 2+2?", "<think>"], "add_special_tokens": false, "stream": false, "stop": [], "min_tokens": 0}"#,
+        r#"/v1/completions
+{"prompt": "hi", "max_tokens": 1, "logprobs": 5, "return_tokens_as_token_ids": true, "skip_special_tokens": false}"#,
+        "/pause?mode=keep&clear_cache=false\n",
+        "/resume\n",
+        "/is_paused\n",
+        "/sleep?level=1&mode=abort\n",
+        "/wake_up?tags=weights&tags=kv_cache\n",
+        "/is_sleeping\n",
+        "/reset_prefix_cache\n",
+        "/get_world_size\n",
+        "/weight_info\n",
+        "/update_weight_version\n{\"new_version\": \"step-3\"}",
+        "/init_weight_transfer_engine\n{\"init_info\": {\"master_address\": \"127.0.0.1\", \"master_port\": 1, \"rank_offset\": 1, \"world_size\": 2}}",
+        "/start_weight_update\n",
+        "/update_weights\n{\"update_info\": {\"names\": [\"a\"], \"dtype_names\": [\"float32\"], \"shapes\": [[2]]}}",
+        "/finish_weight_update\n{\"weight_version\": \"3\"}",
+        "/collective_rpc\n{\"method\": \"vime_weight_info\", \"args\": [\"{}\"]}",
+        "/collective_rpc\n{\"method\": \"vime_init_weight_transfer\", \"args\": [\"{\\\"backend\\\": \\\"cpu\\\"}\"]}",
+    ]
+    .map(String::from)
+    .to_vec();
+    for p in [
+        format!("{r}/ckpt"),
+        format!("{r}/ckpt/"),
+        format!("{r}/./ckpt/../ckpt"),
+        format!("{r}/../"),
+        format!("{r}/ckpt/../../etc"),
+        format!("{r}/out"),
+        format!("{r}/out/tmp"),
+        format!("{r}/loop"),
+        format!("{r}/file"),
+        format!("{r}/missing"),
+        "/".into(),
+        "../../..".into(),
+        "".into(),
+    ] {
+        v.push(reload(&p));
+    }
+    v.into_iter().map(String::into_bytes).collect()
+}
+
+/// Parses `ROUTE[?QUERY]\nBODY` under both configurations: a request is accepted or refused with
+/// a 4xx, never a panic or a 5xx; dev mode off refuses every dev route with the 404 that says how
+/// to turn it on; no `reload_weights` folder outside the root gets through.
+fn parse_serve_input(cfgs: &[ServeConfig], root: &Path, input: &[u8]) -> bool {
+    let (head, body) = match input.iter().position(|&b| b == b'\n') {
+        Some(i) => (&input[..i], &input[i + 1..]),
+        None => (input, &[][..]),
+    };
+    let head = String::from_utf8_lossy(head);
+    let (path, query) = match head.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (&*head, None),
+    };
+    let dev = serve::ROUTES.iter().any(|r| r.path == path && r.dev);
+    let mut accepted = false;
+    for cfg in cfgs {
+        match serve::parse_request(cfg, path, query, body) {
+            Ok(req) => {
+                assert!(cfg.dev_mode || !dev, "dev route {path} accepted with dev mode off");
+                if let serve::Request::ReloadWeights(dir) = &req {
+                    assert!(
+                        dir.starts_with(root),
+                        "reload from {} outside {}",
+                        dir.display(),
+                        root.display()
+                    );
+                    assert!(dir.is_dir(), "{} is not a folder", dir.display());
+                }
+                accepted = true;
+            }
+            Err(e) => {
+                assert!(e.status.is_client_error(), "{path}: {} {}", e.status, e.message);
+                if dev && !cfg.dev_mode {
+                    assert_eq!(e.status.as_u16(), 404);
+                    assert!(e.message.contains("--dev-mode"), "{}", e.message);
+                }
+            }
+        }
+    }
+    accepted
+}
+
+#[test]
+fn fuzz_vime_serve_requests() {
+    let (_dir, root) = weights_root();
+    let cfgs = serve_configs(&root);
+    let inputs = Inputs {
+        seeds: serve_seeds(&root),
+        dict: bytes(&[
+            "null",
+            "[]",
+            "{}",
+            "-1",
+            "0",
+            "1e999",
+            "9223372036854775807",
+            "18446744073709551616",
+            "\"..\"",
+            "\"/\"",
+            "[[]]",
+            "\"reload_weights\"",
+            "?",
+            "\n",
+            "%",
+        ]),
+        max_len: 8192,
+    };
+    let r = root.display().to_string();
+    let owned: Vec<String> = vec![
+        "tiny".to_string(),
+        "reload_weights".into(),
+        "vime_init_weight_transfer".into(),
+        "vime_update_weights".into(),
+        "vime_weight_checksums".into(),
+        "{}".into(),
+        "What is 2+2?".into(),
+        "..".into(),
+        "/".into(),
+        format!("{r}/ckpt"),
+        format!("{r}/out"),
+        format!("{r}/ckpt/.."),
+        format!("{r}/../{}", root.file_name().unwrap().to_string_lossy()),
+        String::new(),
+    ];
+    let strings: Vec<&str> = owned.iter().map(String::as_str).collect();
+    let strings = &strings[..];
+    let gen = move |rng: &mut Rng, inputs: &Inputs| -> Vec<u8> {
+        let pick = |rng: &mut Rng, n: usize| (rng.next_u64() % n as u64) as usize;
+        match rng.next_u64() % 3 {
+            0 => inputs.mutate(rng),
+            1 => {
+                // A seed's route with its body mutated as JSON (or a random body).
+                let seed = &inputs.seeds[pick(rng, inputs.seeds.len())];
+                let i = seed.iter().position(|&b| b == b'\n').unwrap_or(seed.len());
+                let mut out = seed[..i].to_vec();
+                out.push(b'\n');
+                match serde_json::from_slice::<serde_json::Value>(seed.get(i + 1..).unwrap_or(&[])) {
+                    Ok(mut v) => {
+                        json_mutate(rng, &mut v, SERVE_KEYS, strings);
+                        out.extend(v.to_string().into_bytes());
+                    }
+                    Err(_) => out.extend(random_json(rng, 3, SERVE_KEYS, strings).into_bytes()),
+                }
+                out
+            }
+            _ => {
+                // Any route, any query, a generated body.
+                let route = serve::ROUTES[pick(rng, serve::ROUTES.len())].path;
+                let mut out = route.as_bytes().to_vec();
+                if rng.next_u64().is_multiple_of(2) {
+                    out.push(b'?');
+                    out.extend(SERVE_QUERIES[pick(rng, SERVE_QUERIES.len())].as_bytes());
+                }
+                out.push(b'\n');
+                out.extend(random_json(rng, 4, SERVE_KEYS, strings).into_bytes());
+                out
+            }
+        }
+    };
+    let target = move |input: &[u8]| parse_serve_input(&cfgs, &root, input);
+    fuzz::run("vime_serve_requests", &Budget::from_env(), 3000, &inputs, gen, target).assert_clean();
+}
+
 // ---- the harness itself ----------------------------------------------------------------------
 
 /// The harness reports a panic (shrunk), an input past its deadline, and an input that grows the
@@ -656,4 +927,42 @@ fn long_whitespace_runs_in_math_stay_linear() {
     assert!(took < std::time::Duration::from_secs(20), "took {took:?}");
     assert!(math::answers_equivalent("5", &format!("5{}cm", " ".repeat(50))));
     assert!(math::answers_equivalent("5", "5 m east"));
+}
+
+/// Found by `fuzz_vime_serve_requests` (a 60 s run): `"n": 4294967296` made vime-serve allocate
+/// 309 GB for the sampling parameters of one request and abort the process, a one-request denial
+/// of service. One request is now bounded in sequences (prompts x n) and in the token ids it
+/// expands to; past either it is a 400 naming `n`.
+#[test]
+fn a_huge_n_is_a_400_not_an_abort() {
+    let (_dir, root) = weights_root();
+    let [cfg, _] = serve_configs(&root);
+    let parse =
+        |body: serde_json::Value| serve::parse_request(&cfg, "/v1/completions", None, body.to_string().as_bytes());
+    for n in [4_294_967_296i64, i64::MAX, serve::MAX_SEQUENCES_PER_REQUEST as i64 + 1] {
+        let e = parse(serde_json::json!({"prompt": [1, 2, 3], "n": n}))
+            .err()
+            .expect("refused");
+        assert_eq!(
+            (e.status.as_u16(), e.param.as_deref()),
+            (400, Some("n")),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("limit"), "{}", e.message);
+    }
+    let batch: Vec<Vec<u32>> = vec![vec![1]; 2];
+    let e = parse(serde_json::json!({"prompt": batch, "n": serve::MAX_SEQUENCES_PER_REQUEST / 2 + 1}))
+        .err()
+        .expect("prompts x n over the limit");
+    assert_eq!(e.status.as_u16(), 400);
+    // Under the sequence bound, over the token-id bound: 1,000 stop ids copied into 20,000 sequences.
+    let stops: Vec<u32> = (0..1000).collect();
+    let e = parse(serde_json::json!({"prompt": [1], "n": 20_000, "stop_token_ids": stops}))
+        .err()
+        .expect("expanded token ids over the limit");
+    assert_eq!(e.status.as_u16(), 400);
+    assert!(e.message.contains("token ids"), "{}", e.message);
+    // At the bound it is accepted.
+    assert!(parse(serde_json::json!({"prompt": [1], "n": serve::MAX_SEQUENCES_PER_REQUEST})).is_ok());
 }

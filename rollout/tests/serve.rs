@@ -90,6 +90,10 @@ fn mock_config() -> ServeConfig {
         max_batch_size: 256,
         weight_transfer: None,
         weight_transfer_timeout: Duration::from_secs(30),
+        // The control endpoints these tests drive are dev endpoints; the root is not what they
+        // test (`serve_security.rs` does both).
+        dev_mode: true,
+        allowed_weights_root: Some(PathBuf::from("/")),
     }
 }
 
@@ -439,6 +443,7 @@ async fn bad_requests_are_400_with_a_message() {
         .await;
     assert_eq!(status, 400);
     assert!(v["error"]["message"].as_str().unwrap().contains("/nonexistent/x"));
+    assert!(v["error"]["message"].as_str().unwrap().contains("not a directory"));
     assert!(
         engine.batches.lock().unwrap().is_empty(),
         "no bad request reached the engine"
@@ -679,7 +684,8 @@ async fn concurrent_requests_share_engine_calls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn embedded_engine_served_matches_in_process() {
     let dir = fixture_dir();
-    let cfg = ServeConfig::from_hf_dir(&dir, Some("tied".into())).unwrap();
+    let mut cfg = ServeConfig::from_hf_dir(&dir, Some("tied".into())).unwrap();
+    cfg.dev_mode = true;
     let engine: Arc<dyn RolloutEngine> =
         Arc::new(EmbeddedEngine::load_hf(&dir, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap());
     let s = Server::start(engine.clone(), cfg).await;

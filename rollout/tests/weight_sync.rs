@@ -117,6 +117,7 @@ fn setup() -> Setup {
     let dir = fixture_dir();
     let engine = Arc::new(EmbeddedEngine::load_hf(&dir, DType::BF16, &Device::Cpu).unwrap());
     let mut cfg = ServeConfig::from_hf_dir(&dir, None).unwrap();
+    cfg.dev_mode = true;
     cfg.weight_transfer = Some(vime_sync::RecvKind::Cpu);
     cfg.weight_transfer_timeout = Duration::from_secs(20);
     let (backend, url, proxy) = rt.block_on(async {

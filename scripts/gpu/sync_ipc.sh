@@ -45,7 +45,7 @@ JSON
 PORT=18611
 serve() {  # serve DIR PORT LOGFILE [flags]
   local dir=$1 port=$2 log=$3; shift 3
-  /tmp/vime-serve "$dir" --port "$port" --device cuda --dtype bfloat16 \
+  /tmp/vime-serve "$dir" --port "$port" --device cuda --dtype bfloat16 --dev-mode \
     --weight-transfer-config '{"backend":"ipc"}' --enable-sleep-mode "$@" > "$log" 2>&1 &
   echo $!
 }

@@ -513,7 +513,8 @@ impl vime_rollout::engine::RolloutEngine for KillingEngine {
     }
 }
 
-/// vime-serve (this process) over a fresh built-in engine of `model`.
+/// vime-serve (this process) over a fresh built-in engine of `model`, in dev mode (the sync's
+/// routes), reloading only from folders under `root` (where the runs save).
 struct Served {
     url: String,
     victim: Arc<AtomicU32>,
@@ -521,7 +522,7 @@ struct Served {
     _rt: tokio::runtime::Runtime,
 }
 
-fn serve(model: &Path) -> Served {
+fn serve(model: &Path, root: &Path) -> Served {
     use vime_rollout::engine::embedded::EmbeddedEngine;
     use vime_rollout::serve::{serve, ServeConfig};
     let inner = Arc::new(EmbeddedEngine::load_hf(model, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap());
@@ -533,7 +534,9 @@ fn serve(model: &Path) -> Served {
         reloads: AtomicU64::new(0),
         kill_on: kill_on.clone(),
     });
-    let cfg = ServeConfig::from_hf_dir(model, None).unwrap();
+    let mut cfg = ServeConfig::from_hf_dir(model, None).unwrap();
+    cfg.dev_mode = true;
+    cfg.allowed_weights_root = Some(root.canonicalize().unwrap());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -583,14 +586,14 @@ fn kill_9_around_and_during_a_weight_sync_to_vime_serve_resumes_bit_exactly() {
     let (model, train) = task(&dir.path().join("task"));
     let straight = dir.path().join("straight");
     {
-        let s = serve(&model);
+        let s = serve(&model, dir.path());
         run_ok(Command::new(bin()).args(vllm_flags(&model, &train, &straight, &s.url)));
     }
     // The control: a second uninterrupted run differs at most in the engine's batch-dependent
     // log-prob metrics.
     let again = dir.path().join("again");
     {
-        let s = serve(&model);
+        let s = serve(&model, dir.path());
         run_ok(Command::new(bin()).args(vllm_flags(&model, &train, &again, &s.url)));
     }
     let d = diff_runs_ignoring(&straight, &again, &ENGINE_LOGPROB_METRICS);
@@ -619,7 +622,7 @@ fn kill_9_around_and_during_a_weight_sync_to_vime_serve_resumes_bit_exactly() {
         let mut row = Row::new(what, test);
         for trial in 0..trials() {
             // One engine per trial: it lives through the kill, as a real one would.
-            let s = serve(&model);
+            let s = serve(&model, dir.path());
             // The first trial kills before the first checkpoint: the restart starts afresh while
             // the engine holds a later step's weights.
             let n = if trial == 0 { 1 } else { 1 + rng.below(NUM_ROLLOUT) };

@@ -174,6 +174,18 @@ fn run_seed(name: &str, ranks: usize) -> String {
             err.contains("vime: engines: vime launches 1 vLLM engine(s)"),
             "{name}\n{err}"
         );
+        // The launched engine: dev endpoints on loopback (said once), and its reloads confined to
+        // the folder the trainer writes them to.
+        assert!(
+            err.contains("vime: engine 0's dev endpoints") && err.contains("are exposed on 127.0.0.1:"),
+            "{name}\n{err}"
+        );
+        let log = std::fs::read_to_string(dir.path().join("engines/vllm-engine-0.log")).unwrap();
+        let root = save.join("weights-for-engines").canonicalize().unwrap();
+        assert!(
+            log.contains(&format!("reads folders under {} only", root.display())),
+            "{name}\n{log}"
+        );
     }
     for flag in [
         "--train-backend",

@@ -3,8 +3,15 @@
 //! Takes `vllm serve`'s argument shape too (`vime-serve MODEL --port P --tensor-parallel-size 1
 //! --gpu-memory-utilization X --enable-sleep-mode --worker-extension-cls CLS`), so the vLLM launcher
 //! can start it in vLLM's place; the GPU-memory, sleep-mode and worker-extension flags are accepted
-//! and have no effect here (sleep endpoints are always on; a level-1 sleep moves the weights to the
-//! host). `--weight-transfer-config` turns on the streamed weight sync, as in vLLM.
+//! and have no effect here (a level-1 sleep moves the weights to the host). `--weight-transfer-config`
+//! turns on the streamed weight sync, as in vLLM.
+//!
+//! Security (see `vime_rollout::serve`): binds 127.0.0.1 by default. The development endpoints
+//! (pause, sleep, weights, `/collective_rpc`) are off unless `--dev-mode` or vLLM's
+//! `VLLM_SERVER_DEV_MODE=1` (an integer, non-zero = on, as vLLM reads it); on, with a non-loopback
+//! address, a warning goes to stderr. `reload_weights` reads only under `--allowed-weights-root`
+//! (else `VIME_ALLOWED_WEIGHTS_ROOT`, which vime's launcher sets, else the folder holding the
+//! checkpoint).
 //!
 //! EOS is handled per request by the server (vLLM's `ignore_eos`), so the engine is built without
 //! engine-wide EOS ids.
@@ -31,6 +38,8 @@ struct Args {
     /// HF checkpoint directory (config.json + safetensors; tokenizer.json optional).
     #[arg(long)]
     hf_checkpoint: Option<PathBuf>,
+    /// Address to bind. Anything but a loopback address exposes the server (and, in dev mode, its
+    /// weight-loading endpoints) to the network.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -65,7 +74,7 @@ struct Args {
     /// vLLM compatibility: accepted, no effect.
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
-    /// vLLM compatibility: accepted, no effect (sleep endpoints are always on).
+    /// vLLM compatibility: accepted, no effect (the sleep endpoints come with --dev-mode).
     #[arg(long)]
     enable_sleep_mode: bool,
     /// vLLM compatibility: accepted, no effect (vime-serve captures no CUDA graphs).
@@ -87,6 +96,50 @@ struct Args {
     /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
     #[arg(long, default_value_t = 300.0)]
     weight_transfer_timeout: f64,
+    /// Serve the development endpoints (/pause, /sleep, /collective_rpc, the weight-transfer
+    /// routes, ...), as vLLM does with VLLM_SERVER_DEV_MODE=1 (also read here). Off, they answer 404.
+    #[arg(long)]
+    dev_mode: bool,
+    /// `collective_rpc reload_weights` reads only folders under this directory (after resolving
+    /// `..` and symlinks). Default: $VIME_ALLOWED_WEIGHTS_ROOT, else the folder holding the checkpoint.
+    #[arg(long)]
+    allowed_weights_root: Option<PathBuf>,
+}
+
+/// vLLM's reading of `VLLM_SERVER_DEV_MODE` (`envs.py`: `bool(int(os.getenv(.., "0")))`): an
+/// integer, non-zero is on; anything else is an error here as it is there.
+fn dev_mode_from_env() -> Result<bool> {
+    match std::env::var("VLLM_SERVER_DEV_MODE") {
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Err(e) => bail!("VLLM_SERVER_DEV_MODE: {e}"),
+        Ok(v) => match v.trim().parse::<i64>() {
+            Ok(n) => Ok(n != 0),
+            Err(_) => bail!("VLLM_SERVER_DEV_MODE must be an integer (0 or 1, as vLLM reads it), got {v:?}"),
+        },
+    }
+}
+
+/// The `reload_weights` root: `--allowed-weights-root`, else `$VIME_ALLOWED_WEIGHTS_ROOT`, else
+/// the folder holding the checkpoint; resolved, and it must exist.
+fn weights_root(flag: Option<&std::path::Path>, checkpoint: &std::path::Path) -> Result<Option<PathBuf>> {
+    let given = match flag {
+        Some(p) => Some((p.to_path_buf(), "--allowed-weights-root")),
+        None => std::env::var_os("VIME_ALLOWED_WEIGHTS_ROOT")
+            .filter(|v| !v.is_empty())
+            .map(|v| (PathBuf::from(v), "VIME_ALLOWED_WEIGHTS_ROOT")),
+    };
+    match given {
+        None => Ok(serve::default_weights_root(checkpoint)),
+        Some((p, from)) => {
+            let real = p
+                .canonicalize()
+                .with_context(|| format!("{from} {}: the directory must exist", p.display()))?;
+            if !real.is_dir() {
+                bail!("{from} {} is not a directory", p.display());
+            }
+            Ok(Some(real))
+        }
+    }
 }
 
 /// `--weight-transfer-config` JSON: `{"backend": "ipc" | "nccl" | "cpu"}` (vLLM's only field).
@@ -164,6 +217,8 @@ async fn main() -> Result<()> {
             "vime-serve: --worker-extension-cls {cls} ignored (vime-serve serves vime's extension methods itself)"
         );
     }
+    let dev_mode = args.dev_mode || dev_mode_from_env()?;
+    let reload_root = weights_root(args.allowed_weights_root.as_deref(), &dir)?;
     let weight_transfer = args
         .weight_transfer_config
         .as_deref()
@@ -180,6 +235,8 @@ async fn main() -> Result<()> {
     serve_cfg.max_batch_size = args.max_batch_size;
     serve_cfg.weight_transfer = weight_transfer;
     serve_cfg.weight_transfer_timeout = Duration::from_secs_f64(args.weight_transfer_timeout);
+    serve_cfg.dev_mode = dev_mode;
+    serve_cfg.allowed_weights_root = reload_root;
     let opts = EngineOptions {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
@@ -203,7 +260,48 @@ async fn main() -> Result<()> {
         "vime-serve: {} ({:?} on {:?}) listening on http://{addr}",
         serve_cfg.served_model_name, dtype, args.device
     );
+    let bound = listener.local_addr().context("the bound address")?;
+    for line in security_notes(&serve_cfg, bound) {
+        eprintln!("vime-serve: {line}");
+    }
     serve::serve(listener, engine, serve_cfg, shutdown_signal()).await
+}
+
+/// What start-up says about the exposed surface: dev mode on or off, the reload root, and a
+/// warning when dev mode listens on a non-loopback address.
+fn security_notes(cfg: &ServeConfig, bound: std::net::SocketAddr) -> Vec<String> {
+    let mut notes = Vec::new();
+    if !cfg.dev_mode {
+        notes.push(
+            "development endpoints (/pause, /sleep, /collective_rpc, weight transfer, ...) are off; \
+             --dev-mode or VLLM_SERVER_DEV_MODE=1 turns them on"
+                .into(),
+        );
+        if cfg.weight_transfer.is_some() {
+            notes.push("--weight-transfer-config is set but its routes need dev mode".into());
+        }
+        return notes;
+    }
+    let dev: Vec<&str> = serve::ROUTES.iter().filter(|r| r.dev).map(|r| r.path).collect();
+    notes.push(format!(
+        "development endpoints are enabled on {bound} (--dev-mode / VLLM_SERVER_DEV_MODE=1): {}",
+        dev.join(" ")
+    ));
+    match &cfg.allowed_weights_root {
+        Some(root) => notes.push(format!(
+            "collective_rpc reload_weights reads folders under {} only",
+            root.display()
+        )),
+        None => notes.push("collective_rpc reload_weights is refused (no allowed weights root)".into()),
+    }
+    if !bound.ip().is_loopback() {
+        notes.push(format!(
+            "SECURITY WARNING: development endpoints on a non-loopback address ({bound}): anyone who \
+             can reach it can pause the engine and replace its weights. Bind 127.0.0.1 (the default \
+             --host) unless this network is trusted."
+        ));
+    }
+    notes
 }
 
 async fn shutdown_signal() {

@@ -9,6 +9,8 @@
 //! - The transfer dtype is bf16 for a policy on the GPU (what vLLM serves) and the policy's own
 //!   dtype on the CPU (so a CPU engine gets the trainer's exact weights).
 //! - Transport `auto`: `ipc` with `--colocate`, `nccl` for a policy on a GPU, `disk` on the CPU.
+//! - Launched engines (`--vllm-launch`) bind `--vllm-host` (127.0.0.1) with the dev endpoints on,
+//!   and a vime-serve engine reloads only from `sync_dir`, the folder written for it.
 //! - `--colocate`: after a rollout the engines sleep (`/sleep?level=1`); the sync wakes their
 //!   weights, streams (no pause: sleeping engines do not schedule), then wakes the KV cache.
 use crate::train::args::SyncArgs;
@@ -155,6 +157,13 @@ impl Engine {
         model_dir: &Path,
         sync_dir: PathBuf,
     ) -> Result<Self> {
+        let mut vllm = vllm.clone();
+        if vllm.vllm_launch {
+            // Engines vime launches reload only from where this process writes for them (a
+            // vime-serve engine refuses other folders; vLLM has no such check).
+            std::fs::create_dir_all(&sync_dir).with_context(|| format!("creating {}", sync_dir.display()))?;
+            vllm.allowed_weights_root = Some(sync_dir.clone());
+        }
         let (launcher, client) = vllm
             .connect(&model_dir.display().to_string())
             .context("connecting to the rollout engines")?;
