@@ -1117,6 +1117,22 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
 // Memory pool
 // ---------------------------------------------------------------------------------------------
 
+/// Turns off cudarc's cross-stream event tracking for the device's context. With it on (the
+/// default once candle creates its stream), every allocation creates two CUDA events and every
+/// launch of a candle op records and waits on an event per buffer argument: several driver calls
+/// per op, the larger part of the ~17 us of host time per kernel measured in a decode step
+/// (`benches/results/2026-12-02-engine-vs-vllm-h200.md`). vime queues all of its work on candle's
+/// one stream per device (its kernels, cuBLAS, NCCL, the weight-sync copies), where stream order
+/// alone orders every access, so the events buy nothing. Host reads synchronise the stream as
+/// before.
+pub fn single_stream(device: &candle_core::Device) -> Result<()> {
+    if let candle_core::Device::Cuda(d) = device {
+        // Safety: see above; no vime code creates a second stream on this context.
+        unsafe { d.disable_event_tracking() };
+    }
+    Ok(())
+}
+
 /// Keeps freed device memory cached in the device's stream-ordered pool (release threshold =
 /// max) instead of handing it back to the driver at every synchronisation: candle allocates
 /// with `cuMemAllocAsync`, and the default threshold (0) unmaps the pool at each host sync (one

@@ -31,9 +31,9 @@ pub mod composed;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod decode;
 #[cfg_attr(not(feature = "cudnn"), allow(dead_code))]
 mod cudnn;
+pub mod decode;
 pub mod embedding;
 pub mod lm_head;
 pub mod real;
@@ -56,6 +56,19 @@ pub use rmsnorm::{rms_norm, rms_norm_backward};
 pub use rope::{rope, rope_backward};
 pub use swiglu::{swiglu, swiglu_backward};
 pub use vjp::vjp_seed;
+
+/// Readies a device that vime drives: on CUDA, [`cuda::keep_pool_memory`] and
+/// [`cuda::single_stream`]; nothing elsewhere. Call once, right after opening the device.
+pub fn prepare_device(device: &candle_core::Device) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::keep_pool_memory(device)?;
+        cuda::single_stream(device)?;
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    Ok(())
+}
 
 /// Whether the public ops run the fused CUDA kernels for tensors of this device and dtype (bf16 on
 /// a CUDA device, in a build with the `cuda` feature); other non-CPU cases run [`composed`].

@@ -10,11 +10,12 @@
 #   scripts/gpu/profile_engine.sh [OUT_DIR]
 #
 # Settings: MODEL=qwen3-0.6b PROMPTS_PER_ROLLOUT=16 SAMPLES=4 (N = 64) LEN=128 SKIP=40000 COUNT=3000
+#   NCU_TIMEOUT=420
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/profile_engine_out}}
 MODEL=${MODEL:-qwen3-0.6b}
 P=${PROMPTS_PER_ROLLOUT:-16}; S=${SAMPLES:-4}; LEN=${LEN:-128}
-SKIP=${SKIP:-40000}; COUNT=${COUNT:-3000}
+SKIP=${SKIP:-40000}; COUNT=${COUNT:-3000}; NCU_TIMEOUT=${NCU_TIMEOUT:-420}
 mkdir -p "$OUT"
 source gpu-carry/device-env.sh
 NCU=${NCU:-ncu}
@@ -44,7 +45,7 @@ for i in 1 2; do
   VIME_ENGINE_PROFILE=1 run "$BIN" 2>&1 | grep "ENGINE PROFILE" | tail -1 | tee -a "$LOG"
 done
 echo "--- under ncu: kernels $SKIP .. $((SKIP + COUNT))" | tee -a "$LOG"
-timeout 420 "$NCU" --metrics gpu__time_duration.sum --clock-control none --cache-control none \
+timeout "$NCU_TIMEOUT" "$NCU" --metrics gpu__time_duration.sum --clock-control none --cache-control none \
   --launch-skip "$SKIP" --launch-count "$COUNT" --csv --print-units base \
   "$BIN" $(run echo) > "$OUT/ncu-engine-$tag.csv" 2> "$OUT/ncu-engine-$tag.err"
 echo "ncu exit $?" | tee -a "$LOG"

@@ -19,8 +19,7 @@ pub fn parse_device(s: &str) -> Result<Device> {
                 );
             }
             let device = Device::new_cuda(ordinal)?;
-            #[cfg(feature = "cuda")]
-            vime_kernels::cuda::keep_pool_memory(&device)?;
+            vime_kernels::prepare_device(&device)?;
             Ok(device)
         }
         other => bail!("unknown device {other:?} (expected cpu, cuda or cuda:N)"),

@@ -159,6 +159,12 @@ fn parse_weight_transfer(s: &str) -> Result<vime_sync::RecvKind> {
 }
 
 fn parse_device(s: &str) -> Result<Device> {
+    let d = open_device(s)?;
+    vime_kernels::prepare_device(&d)?;
+    Ok(d)
+}
+
+fn open_device(s: &str) -> Result<Device> {
     match s {
         "cpu" => Ok(Device::Cpu),
         "cuda" => Device::new_cuda(0).context("opening cuda:0 (built without the `cuda` feature?)"),
