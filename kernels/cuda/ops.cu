@@ -653,3 +653,69 @@ extern "C" __global__ void vime_rows_write_bf16(bf16* __restrict__ pool, const b
         pool[(unsigned long long)rows[r] * width + c] = src[i];
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Inference: the per-head q/k RMSNorm and RoPE of one layer in one launch (the decode step's
+// 4 launches become 1). One warp per (token, head) row of q ([t, hq, d]) then k ([t, hk, d]),
+// d = 128: lane l holds elements l, l+32, l+64, l+96, so both members of its RoPE pairs
+// (j, j + 64). The arithmetic is vime_rmsnorm_fwd_warp's (same sum order, rounded to bf16) then
+// vime_rope's on the rounded values, so the result equals the two kernels bit for bit
+// (kernels/tests/cuda_vs_cpu.rs checks it).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                             const bf16* __restrict__ wq, const bf16* __restrict__ wk,
+                                             const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
+                                             bf16* __restrict__ ko, int t, int hq, int hk, float eps,
+                                             float theta) {
+    const int d = 128, half = 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rows = t * (hq + hk);
+    for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
+        const int tok = r / (hq + hk), hh = r % (hq + hk);
+        const bool is_q = hh < hq;
+        const bf16* xr = is_q ? q + ((size_t)tok * hq + hh) * d : k + ((size_t)tok * hk + (hh - hq)) * d;
+        bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
+        const bf16* w = is_q ? wq : wk;
+        float xv[4];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            xv[i] = __bfloat162float(xr[lane + 32 * i]);
+            ss += xv[i] * xv[i];
+        }
+        ss = warp_sum(ss);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        float nv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            nv[i] = __bfloat162float(__float2bfloat16(xv[i] * rstd * __bfloat162float(w[lane + 32 * i])));
+        }
+        const float p = (float)pos[tok];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int j = lane + 32 * i;
+            const float inv_freq = 1.f / powf(theta, (float)(2 * j) / (float)d);
+            const float a = p * inv_freq;
+            float sn, c;
+            sincosf(a, &sn, &c);
+            const float x1 = nv[i], x2 = nv[i + 2];
+            yr[j] = __float2bfloat16(x1 * c - x2 * sn);
+            yr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+        }
+    }
+}
+
+// The KV cache's append of one layer, K and V in one launch: pool_k[rows[r]] = src_k[r] and
+// pool_v[rows[r]] = src_v[r] (as vime_rows_write_bf16, twice).
+extern "C" __global__ void vime_rows_write2_bf16(bf16* __restrict__ pk, bf16* __restrict__ pv,
+                                                 const bf16* __restrict__ sk, const bf16* __restrict__ sv,
+                                                 const unsigned int* __restrict__ rows, unsigned long long n,
+                                                 int width) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < 2 * n; i += stride) {
+        const bool is_v = i >= n;
+        const unsigned long long e = is_v ? i - n : i;
+        const unsigned long long r = e / width, c = e % width;
+        (is_v ? pv : pk)[(unsigned long long)rows[r] * width + c] = (is_v ? sv : sk)[e];
+    }
+}

@@ -1468,3 +1468,91 @@ pub fn decode_attention(
         false,
     ))
 }
+
+/// A new bf16 tensor of `shape` over `out`.
+fn bf16_tensor(out: CudaSlice<bf16>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
+}
+
+/// [`crate::rope::qk_norm_rope`] on the device: contiguous bf16 `q: [t, hq, 128]`,
+/// `k: [t, hk, 128]`, norm weights `[128]`; one launch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_rope(
+    q: &Tensor,
+    k: &Tensor,
+    wq: &Tensor,
+    wk: &Tensor,
+    positions: &[u32],
+    eps: f64,
+    theta: f64,
+) -> Result<(Tensor, Tensor)> {
+    let dev = match q.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("qk_norm_rope: q must be on a CUDA device"),
+    };
+    check_bf16("qk_norm_rope", &[q.dtype(), k.dtype(), wq.dtype(), wk.dtype()])?;
+    let (t, hq, _) = q.dims3()?;
+    let hk = k.dims3()?.1;
+    let (nq, nk) = (t * hq * 128, t * hk * 128);
+    // Safety: the kernel writes every element of both.
+    let (qo, ko) = unsafe { (dev.alloc::<bf16>(nq.max(1))?, dev.alloc::<bf16>(nk.max(1))?) };
+    if t > 0 {
+        let pos = upload_u32_cached(&dev, positions)?;
+        let (qp, kp, wqp, wkp) = (
+            tensor_addr::<bf16>(q, "qk_norm_rope")?,
+            tensor_addr::<bf16>(k, "qk_norm_rope")?,
+            tensor_addr::<bf16>(wq, "qk_norm_rope")?,
+            tensor_addr::<bf16>(wk, "qk_norm_rope")?,
+        );
+        let (pp, qop, kop) = (slice_addr(&*pos, &dev), slice_addr(&qo, &dev), slice_addr(&ko, &dev));
+        let (t_i, hq_i, hk_i) = (i32_of("qk_norm_rope", "tokens", t)?, hq as i32, hk as i32);
+        let (eps_f, theta_f) = (eps as f32, theta as f32);
+        let rows = t * (hq + hk);
+        let f = ops_fn(&dev, "vime_qk_norm_rope")?;
+        let grid = rows.div_ceil(RMSW_WARPS).clamp(1, 65_535) as u32;
+        launch!(
+            dev,
+            f,
+            cfg(grid, (32 * RMSW_WARPS) as u32),
+            [&qp, &kp, &wqp, &wkp, &pp, &qop, &kop, &t_i, &hq_i, &hk_i, &eps_f, &theta_f]
+        );
+    }
+    Ok((bf16_tensor(qo, &dev, (t, hq, 128)), bf16_tensor(ko, &dev, (t, hk, 128))))
+}
+
+/// [`crate::rows::write_rows2`] on the device: both pools `[capacity, width]`, both sources
+/// `[n, width]` (bf16, contiguous), `rows: [n]` u32 on the device; one launch.
+pub fn rows_write2(k_pool: &Tensor, v_pool: &Tensor, k: &Tensor, v: &Tensor, rows: &Tensor) -> Result<()> {
+    let dev = match k_pool.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("rows_write2: the pools must be on a CUDA device"),
+    };
+    check_bf16("rows_write2", &[k_pool.dtype(), v_pool.dtype(), k.dtype(), v.dtype()])?;
+    let (n, width) = k.dims2()?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (pk, pv, sk, sv) = (
+        tensor_addr::<bf16>(k_pool, "rows_write2")?,
+        tensor_addr::<bf16>(v_pool, "rows_write2")?,
+        tensor_addr::<bf16>(k, "rows_write2")?,
+        tensor_addr::<bf16>(v, "rows_write2")?,
+    );
+    let rp = tensor_addr::<u32>(rows, "rows_write2")?;
+    let total = (n * width) as u64;
+    let w = width as i32;
+    let f = ops_fn(&dev, "vime_rows_write2_bf16")?;
+    launch!(
+        dev,
+        f,
+        cfg(grid_for(2 * n * width, 256), 256),
+        [&pk, &pv, &sk, &sv, &rp, &total, &w]
+    );
+    Ok(())
+}

@@ -51,6 +51,47 @@ pub fn rope_backward(dy: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<
     })
 }
 
+/// Inference only (no backward): `(rope(rms_norm(q; wq)), rope(rms_norm(k; wk)))` for the
+/// per-head norms of a layer, `q: [T, Hq, d]`, `k: [T, Hk, d]`, `wq, wk: [d]`. On CUDA bf16 with
+/// `d = 128` one kernel that equals the four separate kernels bit for bit; elsewhere those ops.
+pub fn qk_norm_rope(
+    q: &Tensor,
+    k: &Tensor,
+    wq: &Tensor,
+    wk: &Tensor,
+    eps: f64,
+    positions: &Arc<[u32]>,
+    theta: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if crate::fused_cuda(q.device(), q.dtype()) && q.dim(2)? == 128 && k.dim(2)? == 128 {
+        let t = q.dim(0)?;
+        if positions.len() != t || k.dim(0)? != t || wq.dims() != [128] || wk.dims() != [128] {
+            bail!(
+                "qk_norm_rope: q {:?}, k {:?}, weights {:?} / {:?}, {} positions",
+                q.dims(),
+                k.dims(),
+                wq.dims(),
+                wk.dims(),
+                positions.len()
+            );
+        }
+        return crate::cuda::qk_norm_rope(
+            &q.contiguous()?,
+            &k.contiguous()?,
+            &wq.contiguous()?,
+            &wk.contiguous()?,
+            positions,
+            eps,
+            theta,
+        );
+    }
+    Ok((
+        rope(&crate::rms_norm(q, wq, eps)?, positions, theta)?,
+        rope(&crate::rms_norm(k, wk, eps)?, positions, theta)?,
+    ))
+}
+
 #[derive(Debug, Clone)]
 struct Rope {
     positions: Arc<[u32]>,

@@ -26,3 +26,33 @@ pub fn write_rows(pool: &Tensor, rows: &Tensor, src: &Tensor) -> Result<()> {
     let idx = rows.reshape((n, 1))?.broadcast_as((n, width))?.contiguous()?;
     pool.scatter_set(&idx, &src.contiguous()?, 0)
 }
+
+/// [`write_rows`] of a layer's keys and values into their two pools at the same rows (on CUDA
+/// bf16 one launch for both).
+pub fn write_rows2(k_pool: &Tensor, v_pool: &Tensor, rows: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+    if k_pool.dims() != v_pool.dims() || k.dims() != v.dims() {
+        bail!(
+            "write_rows2: pools {:?} / {:?}, sources {:?} / {:?}",
+            k_pool.dims(),
+            v_pool.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::fused(k_pool.device(), k_pool.dtype()) {
+        let (n, width) = k.dims2()?;
+        if k_pool.dims2()?.1 != width || rows.dims1()? != n || rows.dtype() != DType::U32 {
+            bail!(
+                "write_rows2: pool {:?}, rows {:?} {:?}, src {:?}",
+                k_pool.dims(),
+                rows.dims(),
+                rows.dtype(),
+                k.dims()
+            );
+        }
+        return crate::cuda::rows_write2(k_pool, v_pool, &k.contiguous()?, &v.contiguous()?, rows);
+    }
+    write_rows(k_pool, rows, k)?;
+    write_rows(v_pool, rows, v)
+}

@@ -720,6 +720,65 @@ fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     Ok(())
 }
 
+/// The decode step's fused launches: `qk_norm_rope` against the four kernels it replaces on the
+/// same device (bit for bit) and against the CPU (bf16 bound); `write_rows2` against two
+/// `write_rows` on the CPU (bit for bit).
+fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (t, hq, hk, d) = (257usize, 32usize, 8usize, 128usize);
+    let q = rng.randn(&[t, hq, d], 1.0, DType::BF16, &Device::Cpu)?;
+    let k = rng.randn(&[t, hk, d], 1.0, DType::BF16, &Device::Cpu)?;
+    let wq = rng.randn(&[d], 1.0, DType::BF16, &Device::Cpu)?;
+    let wk = rng.randn(&[d], 1.0, DType::BF16, &Device::Cpu)?;
+    let pos: Arc<[u32]> = (0..t as u32).map(|i| i * 37 % 40_000).collect();
+    let (eps, theta) = (1e-6, 1_000_000.0);
+    let g = |x: &Tensor| x.to_device(gpu);
+    let (fq, fk) = vime_kernels::rope::qk_norm_rope(&g(&q)?, &g(&k)?, &g(&wq)?, &g(&wk)?, eps, &pos, theta)?;
+    let sq = vime_kernels::rope(&vime_kernels::rms_norm(&g(&q)?, &g(&wq)?, eps)?, &pos, theta)?;
+    let sk = vime_kernels::rope(&vime_kernels::rms_norm(&g(&k)?, &g(&wk)?, eps)?, &pos, theta)?;
+    let max_diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+        (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()
+    };
+    let same = max_diff(&fq, &sq)?.max(max_diff(&fk, &sk)?);
+    let (cq, ck) = vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, &pos, theta)?;
+    let cpu_err = rel_err(&fq.to_device(&Device::Cpu)?, &cq)?.max(rel_err(&fk.to_device(&Device::Cpu)?, &ck)?);
+    let ok = same == 0.0 && cpu_err <= TOL;
+    println!(
+        "{:<26} {:<52} max |fused - 4 kernels| {same:e}, rel err vs cpu {cpu_err:.1e}  {}",
+        "qk_norm_rope",
+        format!("q [{t}, {hq}, {d}] k [{t}, {hk}, {d}] bf16"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("qk_norm_rope: fused vs kernels {same:e}, vs cpu {cpu_err:e}"));
+    }
+    let (cap, width, n) = (2048usize, 1024usize, 100usize);
+    let pk = rng.randn(&[cap, width], 1.0, DType::BF16, &Device::Cpu)?;
+    let pv = rng.randn(&[cap, width], 1.0, DType::BF16, &Device::Cpu)?;
+    let sk = rng.randn(&[n, width], 1.0, DType::BF16, &Device::Cpu)?;
+    let sv = rng.randn(&[n, width], 1.0, DType::BF16, &Device::Cpu)?;
+    let rows: Vec<u32> = (0..n as u32).map(|r| (r * 19 + 3) % cap as u32).collect();
+    let rows_c = Tensor::from_vec(rows, n, &Device::Cpu)?;
+    let (pk_c, pv_c, pk_g, pv_g) = (pk.copy()?, pv.copy()?, g(&pk)?, g(&pv)?);
+    vime_kernels::rows::write_rows(&pk_c, &rows_c, &sk)?;
+    vime_kernels::rows::write_rows(&pv_c, &rows_c, &sv)?;
+    vime_kernels::rows::write_rows2(&pk_g, &pv_g, &g(&rows_c)?, &g(&sk)?, &g(&sv)?)?;
+    let diff = max_diff(&pk_c, &pk_g)?.max(max_diff(&pv_c, &pv_g)?);
+    println!(
+        "{:<26} {:<52} max |cpu - cuda| {diff:e}  {}",
+        "write_rows2",
+        format!("2 x [{n}, {width}] bf16 into [{cap}, {width}]"),
+        if diff == 0.0 { "ok" } else { "FAIL" }
+    );
+    if diff != 0.0 {
+        failures.push(format!("write_rows2: max abs diff {diff:e}"));
+    }
+    Ok(())
+}
+
 fn check_sample_gumbel(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let (rows, vocab) = (256usize, 151_936usize);
     let logits = rng.randn(&[rows, vocab], 3.0, DType::F32, &Device::Cpu)?;
@@ -790,8 +849,9 @@ fn engine_ops_on_cuda_match_the_cpu() -> Result<()> {
         failures.push(format!("write_rows: max abs diff {diff:e}"));
     }
     check_decode_attention(&gpu, &mut rng, &mut failures)?;
+    check_fused_decode_ops(&gpu, &mut rng, &mut failures)?;
     println!(
-        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows, decode_attention vs the CPU)",
+        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows, decode_attention, qk_norm_rope, write_rows2 vs the CPU)",
         if failures.is_empty() { "PASS" } else { "FAIL" }
     );
     assert!(failures.is_empty(), "{failures:?}");

@@ -7,6 +7,8 @@
 #
 #   MODELS="qwen3-0.6b qwen3-4b" BATCHES=1,16,64,256 LENS=256,4096 scripts/gpu/engine_vs_vllm.sh [OUT_DIR]
 #
+# ENGINES="vllm vime" (default both; "vime" alone re-times vime against an earlier run's vLLM cells,
+# which VLLM_CELLS=FILE (a cells.jsonl) brings into the table).
 # SKIP="4096:256" leaves cells out (len:batch, space-separated) where the device budget does not
 # stretch; they are listed as not run. Needs gpu-carry/{device-env.sh, vime-serve.xz, COMMIT,
 # vkit/PARTS.sha256, vkit/install.sh} and the kit's parts in /tmp/vkit-parts
@@ -15,20 +17,26 @@ set -uo pipefail
 OUT=${1:-${OUT:-/tmp/engine_vs_vllm_out}}
 mkdir -p "$OUT"
 source gpu-carry/device-env.sh
-source scripts/gpu/with_vllm.sh || { echo "ENGINE VS VLLM VERDICT: FAIL (kit install)"; exit 1; }
+case " ${ENGINES:-vllm vime} " in
+  *" vllm "*) source scripts/gpu/with_vllm.sh || { echo "ENGINE VS VLLM VERDICT: FAIL (kit install)"; exit 1; } ;;
+  *) VKIT_TOKENIZER=tests/assets/qwen3-tokenizer ;;
+esac
 MODELS=${MODELS:-qwen3-0.6b qwen3-4b}
 BATCHES=${BATCHES:-1,16,64,256}
 LENS=${LENS:-256,4096}
 SKIP=${SKIP:-}
+ENGINES=${ENGINES:-vllm vime}
+VLLM_CELLS=${VLLM_CELLS:-}
 LOG="$OUT/engine_vs_vllm.txt"
 RES="$OUT/cells.jsonl"
 : > "$RES"
+[ -n "$VLLM_CELLS" ] && grep '"engine": "vllm"' "$VLLM_CELLS" | sed 's/}$/, "earlier_run": true}/' >> "$RES"
 W=$(mktemp -d)
 xz -dc gpu-carry/vime-serve.xz > "$W/vime-serve" && chmod +x "$W/vime-serve"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: MODELS=\"$MODELS\" BATCHES=$BATCHES LENS=$LENS SKIP=\"$SKIP\" scripts/gpu/engine_vs_vllm.sh $*"
+  echo "command: MODELS=\"$MODELS\" BATCHES=$BATCHES LENS=$LENS SKIP=\"$SKIP\" ENGINES=\"$ENGINES\" VLLM_CELLS=$VLLM_CELLS scripts/gpu/engine_vs_vllm.sh $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null | tail -1
 } 2>&1 | tee "$LOG"
@@ -54,6 +62,8 @@ cells() {  # engine tag url
 }
 for m in $MODELS; do
   python3 scripts/gpu/random_qwen3.py "$m" "$W/$m" "$VKIT_TOKENIZER" 2>&1 | tail -1 | tee -a "$LOG"
+  case " $ENGINES " in *" vllm "*) ;; *) skip_vllm=1;; esac
+  if [ -z "${skip_vllm:-}" ]; then
   echo "--- $m: vLLM" | tee -a "$LOG"
   python3 -m vllm.entrypoints.openai.api_server --model "$W/$m" --port 8011 --seed 0 \
     --gpu-memory-utilization 0.6 --max-model-len 8192 --max-num-seqs 256 \
@@ -66,6 +76,7 @@ for m in $MODELS; do
   fi
   kill $vp 2>/dev/null; wait $vp 2>/dev/null
   pkill -f vllm.entrypoints 2>/dev/null; sleep 3
+  fi
   echo "--- $m: vime-serve" | tee -a "$LOG"
   "$W/vime-serve" "$W/$m" --port 8012 --device cuda --dtype bfloat16 --max-num-seqs 256 \
     --max-num-batched-tokens 32768 --max-batch-size 256 > "$OUT/vime-$m.log" 2>&1 &
@@ -91,7 +102,8 @@ for k in keys:
     def fmt(r):
         if r.get("skipped"): return "not run"
         if "error" in r or not r: return "failed"
-        return f"{r['tokens_per_s']:,.0f}" + ("" if r.get("every_choice_len") else " (short!)")
+        return (f"{r['tokens_per_s']:,.0f}" + ("" if r.get("every_choice_len") else " (short!)")
+                + (" (earlier run)" if r.get("earlier_run") else ""))
     ratio = ""
     if v.get("tokens_per_s") and e.get("tokens_per_s"):
         x = e["tokens_per_s"] / v["tokens_per_s"]

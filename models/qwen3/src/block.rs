@@ -439,8 +439,16 @@ impl Block {
         let q = linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?;
         let k = linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let v = linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, positions, ctx.rope_theta)?;
-        let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
+        let (qr, kr) = if matches!(attention, Attention::Cached { .. }) {
+            // Decoding: the four norm/rope kernels as one launch (the same bits).
+            let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
+            vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, positions, ctx.rope_theta)?
+        } else {
+            (
+                rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, positions, ctx.rope_theta)?,
+                rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?,
+            )
+        };
         let (attn, attn_saved) = match reuse {
             Some(k) => (k.attn, Some(k.saved)),
             None => attention.run(self.index, ctx, &qr, &kr, &v, keep != Keep::Nothing)?,

@@ -247,10 +247,17 @@ impl KvCache {
 
     fn append(&self, layer: usize, rows: &CallRows, k: &Tensor, v: &Tensor) -> Result<()> {
         let (t, width) = (k.dim(0)?, self.num_kv_heads * self.head_dim);
-        let (kp, vp) = (&self.k[layer], &self.v[layer]);
-        vime_kernels::rows::write_rows(kp, &rows.write, &k.contiguous()?.reshape((t, width))?)?;
-        vime_kernels::rows::write_rows(vp, &rows.write, &v.contiguous()?.reshape((t, width))?)?;
-        Ok(())
+        let (k, v) = (
+            k.contiguous()?.reshape((t, width))?,
+            v.contiguous()?.reshape((t, width))?,
+        );
+        Ok(vime_kernels::rows::write_rows2(
+            &self.k[layer],
+            &self.v[layer],
+            &rows.write,
+            &k,
+            &v,
+        )?)
     }
 
     /// Writes the new keys and values of layer `layer` (`k, v: [T_new, kv_heads, d]`, in the
