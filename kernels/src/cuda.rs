@@ -101,8 +101,12 @@ fn addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(s: &CudaStorage, l
     Ok(p + (l.start_offset() * std::mem::size_of::<T>()) as u64)
 }
 
-/// A tensor (no autograd) over an f32 buffer these functions filled.
-fn f32_tensor(out: CudaSlice<f32>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+/// A tensor (no autograd) over a buffer these functions filled.
+fn device_tensor<T: candle_core::cuda_backend::CudaDType>(
+    out: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<Shape>,
+) -> Tensor {
     let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
     Tensor::from_storage(
         Storage::Cuda(storage),
@@ -497,7 +501,7 @@ pub(crate) fn logits_f32(hidden: &Tensor, w: &Tensor, n: usize, v: usize, h: usi
             v,
         )?
     };
-    Ok(f32_tensor(out, &dev, (n, v)))
+    Ok(device_tensor(out, &dev, (n, v)))
 }
 
 /// Forward: `[T, 3]` f32 = (logprob, entropy, lse) per token. The public op narrows the first two
@@ -1110,7 +1114,7 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
         let blocks = vocab.min(132 * 16) as u32;
         launch!(dev, f, cfg(blocks, 256), [&gp, &op, &pp, &ip, &outp, &v_i, &d_i]);
     }
-    Ok(f32_tensor(out, &dev, (vocab, d)))
+    Ok(device_tensor(out, &dev, (vocab, d)))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1198,7 +1202,7 @@ pub(crate) fn weight_grad_f32(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
         // Column-major view: C^T [d, n] = X^T-as-stored [d, t] . (dY-as-stored [n, t])^T.
         unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, 0.0, cp, true, d)? };
     }
-    Ok(f32_tensor(out, &dev, (n, d)))
+    Ok(device_tensor(out, &dev, (n, d)))
 }
 
 /// `acc += a . w` in place, bf16: `acc: [T, D]` (owned by the caller, not shared), `a: [T, I]`,
@@ -1460,24 +1464,7 @@ pub fn decode_attention(
             launch!(dev, f, cfg((b * h) as u32, 128), [&pop, &plp, &op, &s_i]);
         }
     }
-    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(storage),
-        (b, h, d),
-        candle_core::op::BackpropOp::none(),
-        false,
-    ))
-}
-
-/// A new bf16 tensor of `shape` over `out`.
-fn bf16_tensor(out: CudaSlice<bf16>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
-    Tensor::from_storage(
-        Storage::Cuda(storage),
-        shape,
-        candle_core::op::BackpropOp::none(),
-        false,
-    )
+    Ok(device_tensor(out, &dev, (b, h, d)))
 }
 
 /// [`crate::rope::qk_norm_rope`] on the device: contiguous bf16 `q: [t, hq, 128]`,
@@ -1523,7 +1510,10 @@ pub(crate) fn qk_norm_rope(
             [&qp, &kp, &wqp, &wkp, &pp, &qop, &kop, &t_i, &hq_i, &hk_i, &eps_f, &theta_f]
         );
     }
-    Ok((bf16_tensor(qo, &dev, (t, hq, 128)), bf16_tensor(ko, &dev, (t, hk, 128))))
+    Ok((
+        device_tensor(qo, &dev, (t, hq, 128)),
+        device_tensor(ko, &dev, (t, hk, 128)),
+    ))
 }
 
 /// [`crate::rows::write_rows2`] on the device: both pools `[capacity, width]`, both sources

@@ -65,3 +65,53 @@ pub fn decode_attention(
     let cu_q: Arc<[u32]> = (0..=b as u32).collect();
     crate::varlen_attention(q, &k, &v, &cu_q, cu_k, softmax_scale, kernels)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Rng;
+    use candle_core::Device;
+
+    /// Each sequence's query against its own keys, one sequence at a time from contiguous K/V
+    /// (the composed attention, its last query row): what the pool rows must reproduce, whatever
+    /// order the rows sit in the pool.
+    #[test]
+    fn pool_rows_give_each_sequence_its_own_keys() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut rng = Rng::new(5);
+        let (hq, hkv, d, cap) = (4usize, 2usize, 8usize, 64usize);
+        let lens = [1usize, 5, 17];
+        let total: usize = lens.iter().sum();
+        let kp = rng.randn(&[cap, hkv * d], 1.0, DType::F32, &dev)?;
+        let vp = rng.randn(&[cap, hkv * d], 1.0, DType::F32, &dev)?;
+        let q = rng.randn(&[lens.len(), hq, d], 1.0, DType::F32, &dev)?;
+        // Rows scattered over the pool (an odd stride over a power of two: all distinct).
+        let rows: Vec<u32> = (0..total).map(|i| ((i * 37 + 9) % cap) as u32).collect();
+        let cu: Arc<[u32]> = [0u32, 1, 6, 23].into();
+        let rows_t = Tensor::from_vec(rows.clone(), total, &dev)?;
+        let cu_t = Tensor::from_vec(cu.to_vec(), cu.len(), &dev)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let got = decode_attention(&q, &kp, &vp, &rows_t, &cu, &cu_t, scale, &KernelConfig::default())?;
+        for (s, &len) in lens.iter().enumerate() {
+            let idx = Tensor::from_vec(rows[cu[s] as usize..cu[s + 1] as usize].to_vec(), len, &dev)?;
+            let k = kp.index_select(&idx, 0)?.reshape((len, hkv, d))?;
+            let v = vp.index_select(&idx, 0)?.reshape((len, hkv, d))?;
+            // The query as the last of `len` queries: earlier rows are zeros, only the last is read.
+            let qs = Tensor::zeros((len - 1, hq, d), DType::F32, &dev)?;
+            let qs = Tensor::cat(&[&qs, &q.narrow(0, s, 1)?], 0)?;
+            let cu1: Arc<[u32]> = [0u32, len as u32].into();
+            let want = crate::composed::varlen_attention(&qs, &k, &v, &cu1, &cu1, scale)?.narrow(0, len - 1, 1)?;
+            let err = (got.narrow(0, s, 1)? - want)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert!(err < 1e-5, "sequence {s}: max err {err}");
+        }
+        // Offsets that do not cover the rows are refused, naming them.
+        let bad: Arc<[u32]> = [0u32, 1, 6, 22].into();
+        let e = decode_attention(&q, &kp, &vp, &rows_t, &bad, &cu_t, scale, &KernelConfig::default()).unwrap_err();
+        assert!(format!("{e}").contains("cu_k must rise from 0 to the 23 rows"), "{e}");
+        Ok(())
+    }
+}
