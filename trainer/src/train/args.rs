@@ -207,9 +207,6 @@ pub struct TrainArgs {
     /// No progress bars (they are also hidden when stderr is not a terminal).
     #[arg(long)]
     pub no_progress: bool,
-    /// vime, for tests: stop (as if killed) after this many rollouts of this process.
-    #[arg(long, hide = true)]
-    pub exit_after_rollouts: Option<u64>,
     /// The slime / Megatron flags `compat::split` took out of the command line.
     #[arg(skip)]
     pub compat: super::compat::CompatSeen,
