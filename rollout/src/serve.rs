@@ -50,9 +50,11 @@
 //!   pause/resume/reload are ordered against generation without locks. Requests arriving within
 //!   `batch_window` of the oldest queued one go into one `engine.generate` call on a blocking thread.
 //!   A weight reload runs alone, between batches.
-//! - The engine call is not preemptible: `/pause?mode=abort` aborts what is queued, lets a batch that
-//!   is already inside `engine.generate` finish (its completions are returned as they finished) and
-//!   answers once the engine is idle, which is the guarantee a weight update needs.
+//! - `/pause?mode=abort` aborts what is queued and the batch inside the engine at its next decode
+//!   step (`GenControl::abort`: each request returns the tokens it has with `finish_reason:
+//!   "abort"`, as vLLM's abort does; an engine that cannot stop between steps finishes the batch),
+//!   then answers once the engine is idle, which is the guarantee a weight update needs. `wait`
+//!   lets the batch finish; `keep` holds new requests but does not hold the running batch.
 //! - `logprobs=N`: the engine reports the sampled token's log-prob only, so `top_logprobs` holds that
 //!   one entry whatever `N` is. `text` and per-token strings are decoded when the checkpoint has a
 //!   `tokenizer.json`; otherwise `text` is "" and tokens are spelled `token_id:ID` (vLLM's
@@ -69,7 +71,7 @@
 //!   otherwise and warns when dev mode is on a non-loopback address.
 //! - [`parse_request`] is the one function that reads a client's path, query and body, and answers
 //!   every bad input with a 4xx (fuzzed by `tests/fuzz.rs`); the handlers only run what it returns.
-use crate::engine::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
+use crate::engine::{FinishReason, GenControl, GenOutput, GenRequest, RolloutEngine, SamplingParams};
 use anyhow::{Context, Result};
 use axum::body::Bytes;
 use axum::extract::{RawQuery, State};
@@ -327,7 +329,8 @@ enum Outcome {
 }
 
 enum RunMeta {
-    Generate(Vec<GenJob>),
+    /// The batch's jobs, and the control that aborts it between engine steps.
+    Generate(Vec<GenJob>, Arc<GenControl>),
     Reload(oneshot::Sender<Result<u64, String>>),
     Sync(oneshot::Sender<SyncReply>),
 }
@@ -494,6 +497,11 @@ impl Batcher {
             Msg::Pause { mode, done } => {
                 self.set_paused(Some(mode));
                 if mode == PauseMode::Abort {
+                    // The batch inside the engine stops at its next step (the built-in engine;
+                    // others finish it), returning what it generated with `abort`.
+                    if let Some((_, RunMeta::Generate(_, control))) = &self.running {
+                        control.abort();
+                    }
                     for job in self.queue.drain(..) {
                         let aborted = job
                             .requests
@@ -533,13 +541,15 @@ impl Batcher {
         }
         let requests: Vec<GenRequest> = jobs.iter().flat_map(|j| j.requests.iter().cloned()).collect();
         let engine = self.engine.clone();
-        let h = tokio::task::spawn_blocking(move || Outcome::Generated(engine.generate(&requests)));
-        self.running = Some((h, RunMeta::Generate(jobs)));
+        let control = Arc::new(GenControl::default());
+        let c = control.clone();
+        let h = tokio::task::spawn_blocking(move || Outcome::Generated(engine.generate_with(&requests, &c)));
+        self.running = Some((h, RunMeta::Generate(jobs, control)));
     }
 
     fn finish(&mut self, out: Result<Outcome, tokio::task::JoinError>, meta: RunMeta) {
         match (out, meta) {
-            (Ok(Outcome::Generated(res)), RunMeta::Generate(jobs)) => {
+            (Ok(Outcome::Generated(res)), RunMeta::Generate(jobs, _)) => {
                 let expected: usize = jobs.iter().map(|j| j.requests.len()).sum();
                 let res = res
                     .map_err(|e| format!("engine.generate failed: {e:#}"))
@@ -576,7 +586,7 @@ impl Batcher {
                 }
                 let _ = done.send(res.map(|_| self.engine.weight_version()).map_err(|e| format!("{e:#}")));
             }
-            (Err(join), RunMeta::Generate(jobs)) => {
+            (Err(join), RunMeta::Generate(jobs, _)) => {
                 let msg = format!("engine.generate panicked: {join}");
                 eprintln!("vime-serve: {msg}");
                 for job in jobs {

@@ -524,3 +524,50 @@ fn bf16_engine_tracks_the_bf16_trainer() -> Result<()> {
     assert!(gap <= 1e-2, "bf16 log-prob gap {gap:.3e}");
     Ok(())
 }
+
+/// `GenControl::abort` stops a running call at its next step: every request comes back with
+/// `Abort` and a prefix of what it would have generated (seeded, so the uncut run is the
+/// reference), long before `max_tokens`. The test aborts once the engine has done 5 steps (its
+/// step counter, not wall time); the requests ask for 480 tokens.
+#[test]
+fn abort_stops_a_running_generate_between_steps() -> Result<()> {
+    use vime_rollout::engine::GenControl;
+    let eng = engine("tied_gqa")?;
+    let reqs: Vec<GenRequest> = (0..3)
+        .map(|i| {
+            req(
+                &random_tokens(4 + i, 160, 90 + i as u64),
+                sampled(1.0, 480, 7 + i as u64),
+            )
+        })
+        .collect();
+    let control = GenControl::default();
+    let cut = std::thread::scope(|s| {
+        let h = s.spawn(|| eng.generate_with(&reqs, &control));
+        while control.steps() < 5 && !h.is_finished() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        control.abort();
+        h.join().expect("generate panicked")
+    })?;
+    let full = eng.generate(&reqs)?;
+    for (i, (c, f)) in cut.iter().zip(&full).enumerate() {
+        assert_eq!(c.finish_reason, FinishReason::Abort, "request {i}");
+        let n = c.token_ids.len();
+        assert!((5..480).contains(&n), "request {i}: {n} tokens after the abort");
+        assert_eq!(
+            c.token_ids[..],
+            f.token_ids[..n],
+            "request {i}: not a prefix of the uncut run"
+        );
+        assert_eq!(c.logprobs[..], f.logprobs[..n], "request {i}");
+    }
+    // Aborted before the first step: nothing generated.
+    let control = GenControl::default();
+    control.abort();
+    let none = eng.generate_with(&reqs, &control)?;
+    assert!(none
+        .iter()
+        .all(|o| o.token_ids.is_empty() && o.finish_reason == FinishReason::Abort));
+    Ok(())
+}

@@ -34,7 +34,7 @@
 //!   update takes the write lock and copies into the existing `Var`s (`Var::set`), so in-flight
 //!   generation never sees half-updated weights and no buffer is reallocated. Every tensor is
 //!   checked (names and shapes, each problem naming its tensor) before any is written.
-use super::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
+use super::{FinishReason, GenControl, GenOutput, GenRequest, RolloutEngine, SamplingParams};
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
@@ -325,6 +325,12 @@ struct Seq {
 
 impl RolloutEngine for EmbeddedEngine {
     fn generate(&self, requests: &[GenRequest]) -> Result<Vec<GenOutput>> {
+        self.generate_with(requests, &GenControl::default())
+    }
+
+    /// Checks `control` before every step: once aborted, every unfinished request ends with the
+    /// tokens it has and `Abort` (requests never admitted come back empty).
+    fn generate_with(&self, requests: &[GenRequest], control: &GenControl) -> Result<Vec<GenOutput>> {
         let model = self.read()?;
         let cfg = model.config();
         for (i, r) in requests.iter().enumerate() {
@@ -369,6 +375,12 @@ impl RolloutEngine for EmbeddedEngine {
             Ok(())
         };
         loop {
+            if control.is_aborted() {
+                for s in seqs.iter_mut().filter(|s| s.finish.is_none()) {
+                    s.finish = Some(FinishReason::Abort);
+                }
+                break;
+            }
             let mut budget = self.opts.max_num_batched_tokens.saturating_sub(running.len());
             let mut admitted = Vec::new();
             while running.len() + admitted.len() < self.opts.max_num_seqs {
@@ -452,6 +464,7 @@ impl RolloutEngine for EmbeddedEngine {
                     running.push(i);
                 }
             }
+            control.step_done();
         }
         phase(&mut profile, 0)?;
         if let Some(p) = &profile {

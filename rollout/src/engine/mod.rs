@@ -89,10 +89,47 @@ pub struct GenOutput {
     pub finish_reason: FinishReason,
 }
 
+/// A running [`RolloutEngine::generate_with`] call's handle from outside: abort it between decode
+/// steps (vLLM's `/pause?mode=abort` for requests already scheduled), and watch its progress.
+#[derive(Debug, Default)]
+pub struct GenControl {
+    abort: std::sync::atomic::AtomicBool,
+    steps: std::sync::atomic::AtomicU64,
+}
+
+impl GenControl {
+    /// Asks the call to stop at its next step boundary: every unfinished request comes back with
+    /// the tokens (and log-probs) generated so far and [`FinishReason::Abort`].
+    pub fn abort(&self) {
+        self.abort.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.abort.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Engine steps (forward passes) the call has finished so far.
+    pub fn steps(&self) -> u64 {
+        self.steps.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Called by the engine after each step.
+    pub fn step_done(&self) {
+        self.steps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// What the trainer needs from any rollout engine.
 pub trait RolloutEngine: Send + Sync {
     /// Generates one completion per request, in request order.
     fn generate(&self, requests: &[GenRequest]) -> Result<Vec<GenOutput>>;
+    /// [`RolloutEngine::generate`] under `control`. Engines that can stop between steps (the
+    /// built-in one) honour [`GenControl::abort`]; the default ignores the control and runs the
+    /// batch to the end.
+    fn generate_with(&self, requests: &[GenRequest], control: &GenControl) -> Result<Vec<GenOutput>> {
+        let _ = control;
+        self.generate(requests)
+    }
     /// Replaces the weights with those of an HF safetensors checkpoint directory.
     fn update_weights_from_dir(&self, dir: &Path) -> Result<()>;
     /// Monotone counter bumped by every weight update.
