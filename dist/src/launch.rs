@@ -255,8 +255,74 @@ pub struct LocalRun {
     pub exited_after: Vec<Duration>,
     /// Which children the launcher killed after the grace period.
     pub killed: Vec<bool>,
-    /// The local rank that failed first, if any.
+    /// The local rank whose failure is the root cause, if any rank failed ([`root_cause`]).
     pub first_failure: Option<usize>,
+}
+
+impl LocalRun {
+    /// The launcher's one-line summary of a failed run, root cause first, e.g. "local rank 1 was
+    /// killed by signal 9 (SIGKILL); rank 0 then exited with status 1". `None` if every rank
+    /// succeeded.
+    pub fn failure_summary(&self) -> Option<String> {
+        let root = self.first_failure?;
+        let words = |r: usize| {
+            if self.killed[r] {
+                "was killed by the launcher (still running after the grace period)".to_string()
+            } else if signal_of(&self.statuses[r]).is_some() {
+                format!("was {}", describe_status(&self.statuses[r]))
+            } else {
+                describe_status(&self.statuses[r])
+            }
+        };
+        let mut out = format!("local rank {root} {}", words(root));
+        let mut after: Vec<usize> = (0..self.statuses.len())
+            .filter(|&r| r != root && !self.statuses[r].success())
+            .collect();
+        after.sort_by_key(|&r| (self.exited_after[r], r));
+        for r in after {
+            let w = words(r);
+            match w.strip_prefix("was ") {
+                Some(rest) => out.push_str(&format!("; rank {r} was then {rest}")),
+                None => out.push_str(&format!("; rank {r} then {w}")),
+            }
+        }
+        Some(out)
+    }
+}
+
+fn signal_of(status: &ExitStatus) -> Option<i32> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        status.signal()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = status;
+        None
+    }
+}
+
+/// Which failed rank is the root cause: one killed by a signal it did not get from the launcher
+/// (a rank that errors because a peer vanished exits later, or in the same 10 ms poll, with a
+/// status), else the first to exit non-zero other than with the watchdog's
+/// [`EXIT_PEER_DIED`](crate::watchdog::EXIT_PEER_DIED), else the first to exit non-zero; ties go
+/// to the lower rank. Ranks the launcher killed after the grace period are the cause only when
+/// nothing else failed.
+pub fn root_cause(statuses: &[ExitStatus], exited_after: &[Duration], killed: &[bool]) -> Option<usize> {
+    let failed = |r: &usize| !statuses[*r].success();
+    let by_time = |r: &usize| (exited_after[*r], *r);
+    let n = statuses.len();
+    (0..n)
+        .filter(|r| failed(r) && !killed[*r] && signal_of(&statuses[*r]).is_some())
+        .min_by_key(by_time)
+        .or_else(|| {
+            (0..n)
+                .filter(|r| failed(r) && !killed[*r] && statuses[*r].code() != Some(crate::watchdog::EXIT_PEER_DIED))
+                .min_by_key(by_time)
+        })
+        .or_else(|| (0..n).filter(|r| failed(r) && !killed[*r]).min_by_key(by_time))
+        .or_else(|| (0..n).filter(failed).min_by_key(by_time))
 }
 
 /// `status` in words: "exited with status 1", "killed by signal 9 (SIGKILL)".
@@ -287,9 +353,9 @@ pub fn describe_status(status: &ExitStatus) -> String {
 /// removes `--nproc-per-node` from `args` first ([`take_nproc_flag`]).
 pub fn spawn_local(nproc: usize, program: impl AsRef<OsStr>, args: &[impl AsRef<OsStr>]) -> Result<()> {
     let run = run_local(&LocalLaunch::new(nproc, program, args), |_, _| {})?;
-    match run.first_failure {
+    match run.failure_summary() {
         None => Ok(()),
-        Some(r) => bail!("local rank {r} failed: {}", describe_status(&run.statuses[r])),
+        Some(why) => bail!("{why}"),
     }
 }
 
@@ -354,11 +420,13 @@ pub fn run_local(launch: &LocalLaunch, mut configure: impl FnMut(usize, &mut Com
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    let statuses: Vec<ExitStatus> = statuses.into_iter().flatten().collect();
+    let first_failure = root_cause(&statuses, &exited_after, &killed);
     Ok(LocalRun {
-        statuses: statuses.into_iter().flatten().collect(),
+        statuses,
         exited_after,
         killed,
-        first_failure: first_failure.map(|(r, _)| r),
+        first_failure,
     })
 }
 
@@ -400,5 +468,71 @@ impl Drop for IgnoreSigint {
         if self.previous != usize::MAX {
             unsafe { sig::signal(sig::SIGINT, self.previous) };
         }
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn exited(code: i32) -> ExitStatus {
+        ExitStatus::from_raw(code << 8)
+    }
+
+    fn run(statuses: Vec<ExitStatus>, ms: &[u64], killed: Vec<bool>) -> LocalRun {
+        let exited_after: Vec<Duration> = ms.iter().map(|&m| Duration::from_millis(m)).collect();
+        let first_failure = root_cause(&statuses, &exited_after, &killed);
+        LocalRun {
+            statuses,
+            exited_after,
+            killed,
+            first_failure,
+        }
+    }
+
+    /// Rank 1 SIGKILLed and rank 0 erroring out in the same 10 ms poll: the summary names rank 1.
+    #[test]
+    fn a_rank_killed_by_a_signal_is_the_root_cause_over_one_that_exited_in_the_same_poll() {
+        let r = run(
+            vec![exited(1), ExitStatus::from_raw(9), exited(0)],
+            &[500, 500, 510],
+            vec![false; 3],
+        );
+        assert_eq!(r.first_failure, Some(1));
+        assert_eq!(
+            r.failure_summary().unwrap(),
+            "local rank 1 was killed by signal 9 (SIGKILL); rank 0 then exited with status 1"
+        );
+    }
+
+    #[test]
+    fn without_a_signal_the_first_to_exit_non_zero_is_the_root_cause() {
+        let r = run(vec![exited(1), exited(0), exited(3)], &[520, 530, 500], vec![false; 3]);
+        assert_eq!(
+            r.failure_summary().unwrap(),
+            "local rank 2 exited with status 3; rank 0 then exited with status 1"
+        );
+        // Same poll, no signal: the lower rank, unless it exited because a peer died.
+        let r = run(vec![exited(2), exited(1)], &[500, 500], vec![false; 2]);
+        assert_eq!(r.first_failure, Some(0));
+        let peer_died = exited(crate::watchdog::EXIT_PEER_DIED);
+        let r = run(vec![peer_died, exited(1)], &[500, 500], vec![false; 2]);
+        assert_eq!(r.first_failure, Some(1));
+    }
+
+    #[test]
+    fn ranks_the_launcher_killed_come_last() {
+        let r = run(
+            vec![ExitStatus::from_raw(9), exited(4)],
+            &[20_600, 500],
+            vec![true, false],
+        );
+        assert_eq!(
+            r.failure_summary().unwrap(),
+            "local rank 1 exited with status 4; rank 0 was then killed by the launcher (still running after the grace period)"
+        );
+        let ok = run(vec![exited(0), exited(0)], &[5, 6], vec![false; 2]);
+        assert_eq!(ok.failure_summary(), None);
     }
 }

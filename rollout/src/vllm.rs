@@ -44,7 +44,9 @@
 //!   called inside another runtime).
 //! - `update_weights_from_dir` pauses the engines with `mode=keep` around the reload unless the caller
 //!   already paused them, so no completion mixes weights; `weight_version` is the client's own counter,
-//!   also written to every engine with `/update_weight_version`.
+//!   also written to every engine with `/update_weight_version`. A weight sync's caller bounds its
+//!   control calls with its own deadline ([`VllmClient::update_weights_from_dir_within`], the
+//!   trainer's `--update-weight-timeout`); other control calls get `control_timeout` per attempt.
 //! - The launcher binds each engine to 127.0.0.1 unless given a host (`--vllm-host`), and runs it with
 //!   `VLLM_SERVER_DEV_MODE=1` (the sync needs the dev endpoints), saying so in one line per engine
 //!   with its address (a warning when that is not loopback); `VIME_ALLOWED_WEIGHTS_ROOT` tells a
@@ -276,7 +278,11 @@ impl VllmClient {
         };
         let inner = self.inner.clone();
         let v = self
-            .block(async move { inner.control_one(&router, reqwest::Method::GET, "/workers", None).await })
+            .block(async move {
+                inner
+                    .control_one(&router, reqwest::Method::GET, "/workers", None, None)
+                    .await
+            })
             .map_err(|e| anyhow!("GET /workers on the router: {e}"))?;
         parse_router_workers(&v).map(Some)
     }
@@ -345,18 +351,27 @@ impl VllmClient {
             .collect()
     }
 
+    /// [`RolloutEngine::update_weights_from_dir`] with each of its control calls (pause, reload,
+    /// version, resume; retries included) bounded by `deadline` rather than `control_timeout` per
+    /// attempt: a hung engine fails the sync after about `deadline`, the error naming its URL.
+    pub fn update_weights_from_dir_within(&self, dir: &Path, deadline: Duration) -> Result<()> {
+        let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+        let inner = self.inner.clone();
+        self.block(async move { inner.update_weights(&dir, Some(deadline)).await })
+    }
+
     /// `POST /pause?mode=` on every engine; returns once all are paused.
     pub fn pause(&self, mode: PauseMode) -> Result<()> {
         self.inner.user_paused.store(true, Ordering::SeqCst);
         let inner = self.inner.clone();
-        self.block(async move { inner.pause_all(mode).await })
+        self.block(async move { inner.pause_all(mode, None).await })
     }
 
     /// `POST /resume` on every engine.
     pub fn resume(&self) -> Result<()> {
         self.inner.user_paused.store(false, Ordering::SeqCst);
         let inner = self.inner.clone();
-        self.block(async move { inner.resume_all().await })
+        self.block(async move { inner.resume_all(None).await })
     }
 
     /// `GET /is_paused` of every engine, in `engine_urls` order.
@@ -472,7 +487,7 @@ impl RolloutEngine for VllmClient {
     fn update_weights_from_dir(&self, dir: &Path) -> Result<()> {
         let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
         let inner = self.inner.clone();
-        self.block(async move { inner.update_weights(&dir).await })
+        self.block(async move { inner.update_weights(&dir, None).await })
     }
 
     fn weight_version(&self) -> u64 {
@@ -764,10 +779,22 @@ impl Inner {
     /// One control call on every engine, concurrently; retried like generation; the error names every
     /// engine that failed.
     async fn control_all(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<Vec<Value>> {
+        self.control_all_within(method, path, body, None).await
+    }
+
+    /// [`Self::control_all`] with each engine's call (its retries included) bounded by
+    /// `deadline` instead of `control_timeout` per attempt.
+    async fn control_all_within(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+        deadline: Option<Duration>,
+    ) -> Result<Vec<Value>> {
         let futs = self
             .engines
             .iter()
-            .map(|e| self.control_one(&e.url, method.clone(), path, body.clone()));
+            .map(|e| self.control_one(&e.url, method.clone(), path, body.clone(), deadline));
         let results = join_all(futs).await;
         let mut errs = Vec::new();
         let mut vals = Vec::new();
@@ -795,23 +822,42 @@ impl Inner {
         method: reqwest::Method,
         path: &str,
         body: Option<Value>,
+        deadline: Option<Duration>,
     ) -> Result<Value, String> {
         let attempts = self.cfg.max_retries + 1;
+        let start = Instant::now();
         let mut last = String::new();
         for attempt in 0..attempts {
+            let timeout = match deadline {
+                None => self.cfg.control_timeout,
+                Some(d) => match d.checked_sub(start.elapsed()) {
+                    Some(left) if !left.is_zero() => left,
+                    _ => {
+                        last = format!("{last} (no time left to retry within {d:?})");
+                        break;
+                    }
+                },
+            };
             let mut req = self
                 .http
                 .request(method.clone(), format!("{base}{path}"))
-                .timeout(self.cfg.control_timeout);
+                .timeout(timeout);
             if let Some(b) = &body {
                 req = req.json(b);
             }
+            let within = |e: reqwest::Error| match deadline {
+                Some(d) if e.is_timeout() => AttemptError {
+                    retryable: false,
+                    message: format!("no answer within {d:?} (the engine hung?)"),
+                },
+                _ => classify(e),
+            };
             let err = match req.send().await {
-                Err(e) => classify(e),
+                Err(e) => within(e),
                 Ok(resp) => {
                     let status = resp.status();
                     match resp.text().await {
-                        Err(e) => classify(e),
+                        Err(e) => within(e),
                         Ok(text) if status.is_success() => {
                             return Ok(serde_json::from_str(&text).unwrap_or(Value::Null));
                         }
@@ -828,24 +874,33 @@ impl Inner {
             }
             if attempt + 1 < attempts {
                 self.retries.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(self.backoff(attempt)).await;
+                let pause = self.backoff(attempt);
+                let pause = match deadline {
+                    Some(d) => pause.min(d.saturating_sub(start.elapsed())),
+                    None => pause,
+                };
+                tokio::time::sleep(pause).await;
             }
         }
         Err(last)
     }
 
-    async fn pause_all(&self, mode: PauseMode) -> Result<()> {
-        self.control_all(reqwest::Method::POST, &format!("/pause?mode={}", mode.as_str()), None)
+    async fn pause_all(&self, mode: PauseMode, deadline: Option<Duration>) -> Result<()> {
+        let path = format!("/pause?mode={}", mode.as_str());
+        self.control_all_within(reqwest::Method::POST, &path, None, deadline)
             .await?;
         Ok(())
     }
 
-    async fn resume_all(&self) -> Result<()> {
-        self.control_all(reqwest::Method::POST, "/resume", None).await?;
+    async fn resume_all(&self, deadline: Option<Duration>) -> Result<()> {
+        self.control_all_within(reqwest::Method::POST, "/resume", None, deadline)
+            .await?;
         Ok(())
     }
 
-    async fn update_weights(&self, dir: &Path) -> Result<()> {
+    /// The disk reload; with `deadline`, each of its control calls (pause, reload, version,
+    /// resume) gets that long, retries included, instead of `control_timeout` per attempt.
+    async fn update_weights(&self, dir: &Path, deadline: Option<Duration>) -> Result<()> {
         if self.engines.is_empty() {
             bail!(
                 "update_weights_from_dir needs the engine URLs (--vllm-url); the router does not forward control calls"
@@ -857,15 +912,15 @@ impl Inner {
             .to_string();
         let we_paused = !self.user_paused.load(Ordering::SeqCst);
         if we_paused {
-            if let Err(e) = self.pause_all(PauseMode::Keep).await {
+            if let Err(e) = self.pause_all(PauseMode::Keep, deadline).await {
                 // The engines that did pause would hold every later request: resumed, best effort.
-                let _ = self.resume_all().await;
+                let _ = self.resume_all(deadline).await;
                 return Err(e.context("pausing the engines for a weight update"));
             }
         }
         let body = json!({"method": "reload_weights", "args": [], "kwargs": {"weights_path": path}});
         let reload = self
-            .control_all(reqwest::Method::POST, "/collective_rpc", Some(body))
+            .control_all_within(reqwest::Method::POST, "/collective_rpc", Some(body), deadline)
             .await;
         let result = match reload {
             Ok(_) => {
@@ -876,7 +931,7 @@ impl Inner {
                     Ok(Vec::new())
                 } else {
                     match self
-                        .control_all(reqwest::Method::POST, "/update_weight_version", Some(label))
+                        .control_all_within(reqwest::Method::POST, "/update_weight_version", Some(label), deadline)
                         .await
                     {
                         Err(e) if format!("{e:#}").contains("HTTP 404") => {
@@ -899,7 +954,7 @@ impl Inner {
         };
         if we_paused {
             let resumed = self
-                .resume_all()
+                .resume_all(deadline)
                 .await
                 .context("resuming the engines after a weight update");
             result?;
@@ -914,7 +969,7 @@ impl Inner {
         for e in &self.engines {
             let body = json!({"url": e.url});
             match self
-                .control_one(&router, reqwest::Method::POST, "/workers", Some(body))
+                .control_one(&router, reqwest::Method::POST, "/workers", Some(body), None)
                 .await
             {
                 Ok(_) => self.owned.lock().unwrap().push(e.url.clone()),
@@ -964,7 +1019,9 @@ impl Inner {
         for (u, why) in urls.iter().zip(verdicts) {
             let Some(why) = why else { continue };
             let path = format!("/workers/{}", url_encode_component(u));
-            let removed = self.control_one(&router, reqwest::Method::DELETE, &path, None).await;
+            let removed = self
+                .control_one(&router, reqwest::Method::DELETE, &path, None, None)
+                .await;
             self.registered.lock().unwrap().retain(|x| x != u);
             self.owned.lock().unwrap().retain(|x| x != u);
             self.deregistered_dead.fetch_add(1, Ordering::Relaxed);
@@ -988,7 +1045,10 @@ impl Inner {
         let mut errs = Vec::new();
         for u in urls {
             let path = format!("/workers/{}", url_encode_component(&u));
-            if let Err(err) = self.control_one(&router, reqwest::Method::DELETE, &path, None).await {
+            if let Err(err) = self
+                .control_one(&router, reqwest::Method::DELETE, &path, None, None)
+                .await
+            {
                 errs.push(format!("{u}: {err}"));
             }
         }

@@ -460,3 +460,36 @@ fn a_disk_reload_survives_an_engine_without_the_version_route() {
         "{calls:?}"
     );
 }
+
+/// The disk reload within a sync deadline (the trainer's `--update-weight-timeout`): an engine
+/// that never answers the reload fails it after about the deadline, not the client's
+/// `control_timeout` (1800 s here), naming the engine's URL and the deadline; the engines are
+/// resumed, and the next reload succeeds.
+#[test]
+fn a_hung_engine_fails_a_disk_reload_within_the_sync_deadline() {
+    let s = setup();
+    *s.proxy.fault.lock().unwrap() = Fault::Hang("/collective_rpc");
+    let t = Instant::now();
+    let err = format!(
+        "{:#}",
+        s.client
+            .update_weights_from_dir_within(&fixture_dir(), Duration::from_secs(2))
+            .unwrap_err()
+    );
+    let dt = t.elapsed();
+    assert!(dt < Duration::from_secs(15), "the reload took {dt:?}");
+    assert!(
+        dt >= Duration::from_secs(2),
+        "the reload gave up after {dt:?}, before the deadline"
+    );
+    assert!(err.contains(&s.url), "{err}");
+    assert!(err.contains("no answer within 2s"), "{err}");
+    assert!(err.contains("/collective_rpc"), "{err}");
+    assert_eq!(s.client.is_paused().unwrap(), vec![false]);
+    *s.proxy.fault.lock().unwrap() = Fault::None;
+    let v = s.client.weight_version();
+    s.client
+        .update_weights_from_dir_within(&fixture_dir(), Duration::from_secs(20))
+        .unwrap();
+    assert_eq!(s.client.weight_version(), v + 1);
+}

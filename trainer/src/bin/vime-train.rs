@@ -62,7 +62,7 @@ enum Cmd {
     /// Checks running rollout engines (vLLM or vime-serve, direct or through vllm-router) for what
     /// vime needs of them: generation with seeds and stop ids, pause modes, sleep and wake, control
     /// routes (see vime_rollout::check). Exit status 1 if any check fails.
-    CheckEngines(vime_rollout::check::CheckArgs),
+    CheckEngines(Box<vime_rollout::check::CheckArgs>),
     /// Writes a synthetic task (prompts, eval set, tokenizer, a tiny random Qwen3) for the demo.
     MakeTask(vime_trainer::demo::MakeTaskArgs),
     /// Log-probs, entropies and the gradient of a fixed objective on one packed batch (parity checks).
@@ -159,12 +159,9 @@ fn launch(nproc: usize) -> Result<i32> {
     if run.statuses.iter().all(|s| s.code() == Some(130)) {
         return Ok(130);
     }
-    match run.first_failure {
+    match run.failure_summary() {
         None => Ok(0),
-        Some(r) => anyhow::bail!(
-            "local rank {r} failed: {}",
-            vime_dist::launch::describe_status(&run.statuses[r])
-        ),
+        Some(why) => anyhow::bail!("{why}"),
     }
 }
 

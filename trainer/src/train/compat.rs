@@ -1,7 +1,9 @@
 //! slime and Megatron flags that are not `vime-train` options of their own. Each is either
 //! accepted because vime always does what it asks (one notice line at start), accepted and
-//! unused (a notice says why), a Megatron model-shape flag (checked against the checkpoint's
-//! config.json), or refused with what to do instead. None is silently ignored.
+//! unused (a notice says why), a Megatron `--no-X` that turns off vime's switch `--X` (the later
+//! of the two wins, as with argparse's `store_false` on one dest), a Megatron model-shape flag
+//! (checked against the checkpoint's config.json), or refused with what to do instead. None is
+//! silently ignored.
 //!
 //! [`split`] takes them out of the command line before clap parses the rest. The README's flag
 //! table is generated from [`COMPAT`] and clap's own definitions (`flag_table`), and a test
@@ -51,6 +53,9 @@ pub enum Kind {
     Unused,
     /// A Megatron model-shape flag: checked against config.json.
     Shape(ShapeKey),
+    /// Megatron's `--no-X` of vime's switch `--X` (named here): turns it off, so that the later of
+    /// the two on the command line wins.
+    Negates(&'static str),
     /// Refused: the message says what to do instead.
     Refused,
 }
@@ -77,7 +82,7 @@ const fn f(flag: &'static str, arity: Arity, kind: Kind, accept: Accept, says: &
 
 use Accept::{Any, OneOf, Zero};
 use Arity::{One, Switch};
-use Kind::{Always, Refused, Shape, Unused};
+use Kind::{Always, Negates, Refused, Shape, Unused};
 
 const WANDB: &str = "vime does not log to Weights & Biases; metrics go to metrics.jsonl and TensorBoard in --log-dir";
 const NO_SGLANG: &str = "vime drives vLLM engines or its own engine, not SGLang: use --rollout-backend vllm \
@@ -107,8 +112,9 @@ pub const COMPAT: &[CompatFlag] = &[
     f("--seq-length", One, Always, Any, "sequence lengths come from the rollouts (--rollout-max-response-len, --max-tokens-per-gpu)"),
     f("--save-hf", One, Always, Any, "every checkpoint holds the HF folder iter_N/hf (config.json, safetensors, tokenizer)"),
     f("--vllm-weight-sync-packed", Switch, Always, Any, "weights always stream in packed buckets of --update-weight-buffer-size"),
+    // ---- turns off a vime switch ---------------------------------------------------------------
+    f("--no-check-for-nan-in-loss-and-grad", Switch, Negates("--check-for-nan-in-loss-and-grad"), Any, "a NaN/Inf loss, gradient or reward no longer stops the run; the step is still skipped and counted (train/skipped_steps), as vime never applies a non-finite update"),
     // ---- accepted, unused ---------------------------------------------------------------------
-    f("--no-check-for-nan-in-loss-and-grad", Switch, Unused, Any, "vime always checks: a step with a non-finite loss or gradient is skipped and counted (train/skipped_steps); --check-for-nan-in-loss-and-grad stops the run instead"),
     f("--offload-train", Switch, Unused, Any, "vime does not offload its weights or optimizer state to the host between steps; with --colocate the engines sleep while it trains"),
     f("--num-gpus-per-node", One, Unused, Any, "vime reads the GPU count from the driver"),
     f("--no-save-optim", Switch, Unused, Any, "vime always saves the optimizer state, so that a resume continues exactly"),
@@ -240,6 +246,10 @@ pub fn split(argv: Vec<OsString>) -> Result<(Vec<OsString>, CompatSeen)> {
         match c.kind {
             Always => seen.notices.push(format!("{shown}: accepted, {}", c.says)),
             Unused => seen.notices.push(format!("{shown}: not used, {}", c.says)),
+            Negates(on) => {
+                rest.retain(|t| t.to_str() != Some(on));
+                seen.notices.push(format!("{shown}: turns off {on}: {}", c.says));
+            }
             Shape(ShapeKey::Switch(_)) => {
                 if !seen.shape.switches.contains(&name) {
                     seen.shape.switches.push(name.clone());
@@ -288,10 +298,11 @@ pub fn flag_table(cmd: &clap::Command) -> String {
     }
     for c in COMPAT {
         let what = match c.kind {
-            Always => "always",
-            Unused => "accepted, unused",
-            Shape(_) => "model shape",
-            Refused => "refused",
+            Always => "always".to_string(),
+            Unused => "accepted, unused".to_string(),
+            Negates(on) => format!("implemented: turns off {on} (the later of the two wins)"),
+            Shape(_) => "model shape".to_string(),
+            Refused => "refused".to_string(),
         };
         let names = match c.arity {
             Switch => format!("`{}`", c.flag),
@@ -374,6 +385,52 @@ mod tests {
             v.extend_from_slice(argv);
             let e = format!("{:#}", split(os(&v)).unwrap_err());
             assert!(e.contains(says), "{argv:?}: {e}");
+        }
+    }
+
+    /// `--no-check-for-nan-in-loss-and-grad` turns off an earlier `--check-for-nan-in-loss-and-grad`
+    /// (a slime script's default followed by a user's override) and is turned off by a later one.
+    #[test]
+    fn a_negating_flag_turns_off_an_earlier_switch_and_the_later_one_wins() {
+        use crate::train::args::TrainArgs;
+        let base = ["--hf-checkpoint", "/m", "--prompt-data", "/p.jsonl"];
+        let parse = |tail: &[&str]| {
+            let mut v: Vec<&str> = base.to_vec();
+            v.extend_from_slice(tail);
+            TrainArgs::from_flags(v).unwrap()
+        };
+        let on = "--check-for-nan-in-loss-and-grad";
+        let off = "--no-check-for-nan-in-loss-and-grad";
+        assert!(parse(&[on]).check_for_nan_in_loss_and_grad);
+        assert!(!parse(&[on, off]).check_for_nan_in_loss_and_grad);
+        assert!(parse(&[off, on]).check_for_nan_in_loss_and_grad);
+        assert!(!parse(&[on, "--lr", "1e-6", off, on, off]).check_for_nan_in_loss_and_grad);
+        let a = parse(&[on, off]);
+        assert!(
+            a.compat
+                .notices
+                .iter()
+                .any(|n| n.starts_with(&format!("{off}: turns off {on}"))),
+            "{:?}",
+            a.compat.notices
+        );
+    }
+
+    /// Every flag a compat flag negates is one of vime's own switches.
+    #[test]
+    fn every_negated_flag_is_a_clap_switch() {
+        use clap::CommandFactory;
+        let cmd = crate::train::args::TrainCli::command();
+        for c in COMPAT {
+            if let Negates(on) = c.kind {
+                let long = on.trim_start_matches('-');
+                let a = cmd.get_arguments().find(|a| a.get_long() == Some(long));
+                assert!(
+                    a.is_some_and(|a| matches!(a.get_action(), clap::ArgAction::SetTrue)),
+                    "{} negates {on}, which is not a vime switch",
+                    c.flag
+                );
+            }
         }
     }
 

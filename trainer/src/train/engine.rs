@@ -43,6 +43,9 @@ pub enum Engine {
         sync_dir: PathBuf,
         /// The streamed sync (`ipc`, `nccl`, `cpu`); `None` for `disk`.
         sender: Option<RefCell<Box<WeightSender>>>,
+        /// `--update-weight-timeout`: the bound on each of the disk sync's control calls (the
+        /// streamed sync has its own, `SyncOptions::deadline`).
+        update_weight_timeout: Duration,
         colocate: bool,
         asleep: Cell<bool>,
     },
@@ -200,6 +203,7 @@ impl Engine {
             _launcher: launcher,
             sync_dir,
             sender,
+            update_weight_timeout: Duration::from_secs_f64(args.update_weight_timeout),
             colocate: args.colocate,
             asleep: Cell::new(false),
         })
@@ -282,11 +286,20 @@ impl Engine {
                 client,
                 sync_dir,
                 sender: None,
+                update_weight_timeout,
                 ..
             } => {
                 policy.save_hf(sync_dir, policy.dtype(), DEFAULT_MAX_SHARD_BYTES)?;
                 copy_tokenizer_files(tokenizer_dir, sync_dir)?;
-                client.update_weights_from_dir(sync_dir)?;
+                client
+                    .update_weights_from_dir_within(sync_dir, *update_weight_timeout)
+                    .with_context(|| {
+                        format!(
+                            "the weight sync (disk reload of {}), each call bounded by --update-weight-timeout {} s",
+                            sync_dir.display(),
+                            update_weight_timeout.as_secs_f64()
+                        )
+                    })?;
             }
             Engine::Remote {
                 client,

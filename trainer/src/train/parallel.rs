@@ -16,6 +16,9 @@
 //! Decisions:
 //! - Samples travel as JSON (serde_json with `float_roundtrip`: every f32 / f64 comes back with
 //!   the same bits), once per rollout: a few MB at most, small next to a training step.
+//! - Scores travel as raw little-endian f32 bits, not JSON: JSON has no NaN, and a NaN old
+//!   log-prob or value must reach the step's NaN/Inf guard (skip and count, or stop with
+//!   `--check-for-nan-in-loss-and-grad`) as it does at DP = 1.
 //! - Without `--balance-data` a step's samples go round-robin (`i % dp`), slime's split; with it,
 //!   Karmarkar-Karp on token counts with equal sample counts per rank (slime's
 //!   `get_seqlen_balanced_partitions(.., equal_size=True)`).
@@ -139,12 +142,12 @@ pub fn score_split(
     if group.size() == 1 {
         return Ok(values);
     }
-    let bytes = serde_json::to_vec(&values)?;
-    let all = group.all_gather_bytes(&bytes).context("gathering per-sample scores")?;
+    let all = group
+        .all_gather_bytes(&encode_scores(&values))
+        .context("gathering per-sample scores")?;
     let mut out: Vec<Option<Vec<f32>>> = vec![None; n];
     for (r, (b, idx)) in all.iter().zip(&parts).enumerate() {
-        let v: Vec<Vec<f32>> =
-            serde_json::from_slice(b).with_context(|| format!("decoding the scores of data-parallel rank {r}"))?;
+        let v = decode_scores(b).with_context(|| format!("decoding the scores of data-parallel rank {r}"))?;
         if v.len() != idx.len() {
             bail!(
                 "data-parallel rank {r} scored {} samples, {} expected",
@@ -160,6 +163,42 @@ pub fn score_split(
         .enumerate()
         .map(|(i, v)| v.with_context(|| format!("internal: no rank scored sample {i}")))
         .collect()
+}
+
+/// Per sample: its value count (u64) then its values' f32 bits, little-endian.
+fn encode_scores(values: &[Vec<f32>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(values.iter().map(|v| 8 + 4 * v.len()).sum());
+    for v in values {
+        out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        for x in v {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    out
+}
+
+fn decode_scores(mut b: &[u8]) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        let Some((len, rest)) = b.split_first_chunk::<8>() else {
+            bail!("{} trailing bytes after sample {}", b.len(), out.len());
+        };
+        let len = u64::from_le_bytes(*len) as usize;
+        let Some(body) = rest.get(..len.saturating_mul(4)) else {
+            bail!(
+                "sample {} has {len} values but only {} bytes follow",
+                out.len(),
+                rest.len()
+            );
+        };
+        out.push(
+            body.chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("chunks of 4")))
+                .collect(),
+        );
+        b = &rest[body.len()..];
+    }
+    Ok(out)
 }
 
 /// Replaces each metric by its sum over the ranks of `group` (in rank order, so every rank gets
@@ -199,5 +238,65 @@ mod tests {
             }
         }
         assert_eq!(dp_split(&lengths, 3, false)[1], vec![1, 4, 7]);
+    }
+
+    /// A NaN (or Inf) score crosses the exchange with its bits, as at DP = 1, so that the step's
+    /// NaN/Inf guard sees it; JSON would turn it into `null` and fail to decode.
+    #[test]
+    fn scores_keep_nan_and_inf_bits_across_data_parallel_ranks() {
+        use vime_dist::launch::free_port;
+        use vime_dist::{Backend, DistEnv, ParallelDims, Timeouts, World, WorldOptions};
+        let lengths = [3, 1, 2, 4, 0];
+        let score = |i: usize| -> Vec<f32> {
+            (0..lengths[i])
+                .map(|t| match (i, t) {
+                    (1, 0) => f32::NAN,
+                    (3, 2) => f32::INFINITY,
+                    (3, 3) => -0.0,
+                    _ => 0.1 * (i * 10 + t) as f32,
+                })
+                .collect()
+        };
+        let expected: Vec<Vec<u32>> = (0..lengths.len())
+            .map(|i| score(i).iter().map(|x| x.to_bits()).collect())
+            .collect();
+        let port = free_port().unwrap();
+        let opts = || WorldOptions {
+            timeouts: Timeouts {
+                rendezvous: Duration::from_secs(20),
+                op: Duration::from_secs(20),
+                heartbeat: Duration::from_secs(10),
+                heartbeat_interval: Duration::from_millis(200),
+            },
+            on_failure: Some(std::sync::Arc::new(|f| eprintln!("test world: {f} died"))),
+        };
+        let dims = ParallelDims::new(2, 1, 1, None).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|r| {
+                    s.spawn(move || -> Result<Vec<Vec<f32>>> {
+                        let w = World::new(&DistEnv::local(r, 2, port), dims, Backend::Cpu, opts())?;
+                        let got = score_split(&**w.dp(), &lengths, false, |idx| {
+                            Ok(idx.iter().map(|&i| score(i)).collect())
+                        })?;
+                        w.finish()?;
+                        Ok(got)
+                    })
+                })
+                .collect();
+            for (r, h) in handles.into_iter().enumerate() {
+                let got = h.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e:#}"));
+                let bits: Vec<Vec<u32>> = got.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()).collect();
+                assert_eq!(bits, expected, "rank {r}");
+            }
+        });
+    }
+
+    #[test]
+    fn truncated_scores_name_the_sample() {
+        let mut b = encode_scores(&[vec![1.0, 2.0], vec![3.0; 4]]);
+        b.truncate(b.len() - 2);
+        let e = format!("{:#}", decode_scores(&b).unwrap_err());
+        assert!(e.contains("sample 1 has 4 values"), "{e}");
     }
 }
