@@ -16,7 +16,7 @@
 //! Decisions:
 //! - Samples travel as JSON (serde_json with `float_roundtrip`: every f32 / f64 comes back with
 //!   the same bits), once per rollout: a few MB at most, small next to a training step.
-//! - Scores travel as raw little-endian f32 bits, not JSON: JSON has no NaN, and a NaN old
+//! - Scores and summed metrics travel as raw little-endian float bits, not JSON: JSON has no NaN, and a NaN old
 //!   log-prob or value must reach the step's NaN/Inf guard (skip and count, or stop with
 //!   `--check-for-nan-in-loss-and-grad`) as it does at DP = 1.
 //! - Without `--balance-data` a step's samples go round-robin (`i % dp`), slime's split; with it,
@@ -201,18 +201,50 @@ fn decode_scores(mut b: &[u8]) -> Result<Vec<Vec<f32>>> {
     Ok(out)
 }
 
+/// Per metric: the name's length (u64), its UTF-8 bytes, the value's f64 bits, little-endian
+/// (a NaN or Inf metric crosses with its bits, as JSON could not carry it).
+fn encode_metrics(m: &BTreeMap<String, f64>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, v) in m {
+        out.extend_from_slice(&(k.len() as u64).to_le_bytes());
+        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+fn decode_metrics(mut b: &[u8]) -> Result<BTreeMap<String, f64>> {
+    let mut out = BTreeMap::new();
+    while !b.is_empty() {
+        let Some((len, rest)) = b.split_first_chunk::<8>() else {
+            bail!("{} trailing bytes after metric {}", b.len(), out.len());
+        };
+        let len = u64::from_le_bytes(*len) as usize;
+        let Some((name, rest)) = rest.split_at_checked(len) else {
+            bail!("metric {} names {len} bytes but only {} follow", out.len(), rest.len());
+        };
+        let Some((value, rest)) = rest.split_first_chunk::<8>() else {
+            bail!("metric {} has no value", out.len());
+        };
+        let name = std::str::from_utf8(name).with_context(|| format!("metric {}'s name", out.len()))?;
+        out.insert(name.to_string(), f64::from_le_bytes(*value));
+        b = rest;
+    }
+    Ok(out)
+}
+
 /// Replaces each metric by its sum over the ranks of `group` (in rank order, so every rank gets
 /// the same bits). A metric missing on some rank counts as 0 there.
 pub fn sum_metrics(group: &dyn Collectives, m: &mut BTreeMap<String, f64>) -> Result<()> {
     if group.size() == 1 {
         return Ok(());
     }
-    let bytes = serde_json::to_vec(&*m)?;
-    let all = group.all_gather_bytes(&bytes).context("summing metrics over ranks")?;
+    let all = group
+        .all_gather_bytes(&encode_metrics(m))
+        .context("summing metrics over ranks")?;
     let mut total: BTreeMap<String, f64> = BTreeMap::new();
     for (r, b) in all.iter().enumerate() {
-        let part: BTreeMap<String, f64> =
-            serde_json::from_slice(b).with_context(|| format!("decoding the metrics of rank {r}"))?;
+        let part = decode_metrics(b).with_context(|| format!("decoding the metrics of rank {r}"))?;
         for (k, v) in part {
             *total.entry(k).or_insert(0.0) += v;
         }
@@ -238,6 +270,26 @@ mod tests {
             }
         }
         assert_eq!(dp_split(&lengths, 3, false)[1], vec![1, 4, 7]);
+    }
+
+    /// Metrics cross with their bits, NaN and Inf included, and a cut buffer is an error.
+    #[test]
+    fn metrics_encoding_keeps_every_value_bit_for_bit() {
+        let m: BTreeMap<String, f64> = [
+            ("train/loss".to_string(), f64::NAN),
+            ("train/grad_norm".to_string(), f64::INFINITY),
+            ("perf/tokens".to_string(), 1234.5),
+            ("x/ünïcode".to_string(), -0.0),
+        ]
+        .into();
+        let b = encode_metrics(&m);
+        let back = decode_metrics(&b).unwrap();
+        assert_eq!(back.len(), m.len());
+        for (k, v) in &m {
+            assert_eq!(back[k].to_bits(), v.to_bits(), "{k}");
+        }
+        let e = decode_metrics(&b[..b.len() - 3]).unwrap_err();
+        assert!(format!("{e:#}").contains("metric 3 has no value"), "{e:#}");
     }
 
     /// A NaN (or Inf) score crosses the exchange with its bits, as at DP = 1, so that the step's
