@@ -1124,8 +1124,8 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
 /// Turns off cudarc's cross-stream event tracking for the device's context. With it on (the
 /// default once candle creates its stream), every allocation creates two CUDA events and every
 /// launch of a candle op records and waits on an event per buffer argument: several driver calls
-/// per op, the larger part of the ~17 us of host time per kernel measured in a decode step
-/// (`benches/results/2026-12-02-engine-vs-vllm-h200.md`). vime queues all of its work on candle's
+/// per op. Turning it off took a 0.6B decode step's forward from 10-11 to 8-9 ms, part of its
+/// ~8 ms of host time (`benches/results/2026-12-02-engine-vs-vllm-h200.md`). vime queues all of its work on candle's
 /// one stream per device (its kernels, cuBLAS, NCCL, the weight-sync copies), where stream order
 /// alone orders every access, so the events buy nothing. Host reads synchronise the stream as
 /// before.

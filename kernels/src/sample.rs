@@ -98,17 +98,16 @@ fn sample(
             bi.unwrap_or(0) as u32
         })
         .collect();
-    let lps = logprobs.then(|| {
-        x.iter()
-            .zip(&toks)
-            .map(|(row, &t)| {
-                let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-                let s: f64 = row.iter().map(|&z| (z as f64 - m).exp()).sum();
-                (row[t as usize] as f64 - m - s.ln()) as f32
-            })
-            .collect()
-    });
+    let lps = logprobs.then(|| x.iter().zip(&toks).map(|(row, &t)| raw_logprob(row, t)).collect());
     Ok((toks, lps))
+}
+
+/// `log_softmax(row)[token]`, summed in f64: the host mirror's log-prob (and the engine's for
+/// rows it samples on the host).
+pub fn raw_logprob(row: &[f32], token: u32) -> f32 {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let s: f64 = row.iter().map(|&z| (z as f64 - m).exp()).sum();
+    (row[token as usize] as f64 - m - s.ln()) as f32
 }
 
 #[cfg(test)]

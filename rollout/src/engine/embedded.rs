@@ -265,13 +265,6 @@ fn validate_request(i: usize, r: &GenRequest, cfg: &Qwen3Config) -> Result<()> {
     Ok(())
 }
 
-/// `log_softmax(row)[token]` in f64 (the host sampler's rows).
-fn raw_logprob(row: &[f32], token: u32) -> f32 {
-    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let s: f64 = row.iter().map(|&z| (z as f64 - m).exp()).sum();
-    (row[token as usize] as f64 - m - s.ln()) as f32
-}
-
 /// Seconds per phase of [`EmbeddedEngine::generate`] (`VIME_ENGINE_PROFILE`).
 #[derive(Debug, Default)]
 struct StepProfile {
@@ -440,7 +433,7 @@ impl RolloutEngine for EmbeddedEngine {
                 for (&r, row) in host.iter().zip(&rows) {
                     let i = order[r];
                     sampled[r] = sample_token(row, &requests[i].params, &mut seqs[i].rng);
-                    lp[r] = raw_logprob(row, sampled[r]);
+                    lp[r] = vime_kernels::sample::raw_logprob(row, sampled[r]);
                 }
             }
             phase(&mut profile, 4)?;
