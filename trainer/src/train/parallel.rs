@@ -14,8 +14,10 @@
 //!   step's value is their sum over ranks ([`sum_metrics`]).
 //!
 //! Decisions:
-//! - Samples travel as JSON (serde_json with `float_roundtrip`: every f32 / f64 comes back with
-//!   the same bits), once per rollout: a few MB at most, small next to a training step.
+//! - Samples travel once per rollout as JSON (a few MB at most, small next to a training step), in
+//!   a private wire form (`WireSample`) whose engine log-probs and reward are their raw f32 /
+//!   f64 bits: JSON has no NaN or Inf, and a NaN log-prob must reach the step's NaN/Inf guard, as
+//!   at DP = 1, with its bits. `Sample`'s own serde form is not used across ranks.
 //! - Scores and summed metrics travel as raw little-endian float bits, not JSON: JSON has no NaN, and a NaN old
 //!   log-prob or value must reach the step's NaN/Inf guard (skip and count, or stop with
 //!   `--check-for-nan-in-loss-and-grad`) as it does at DP = 1.
@@ -32,6 +34,7 @@ use std::time::Duration;
 use vime_dist::launch::DistEnv;
 use vime_dist::world::{Backend, WorldOptions};
 use vime_dist::{Collectives, ParallelDims, World};
+use vime_rollout::engine::FinishReason;
 
 /// This process's world, from torchrun's environment contract (a single process without it),
 /// and its device: with several ranks, `--device cuda` means `cuda:LOCAL_RANK`. Also the name of
@@ -100,8 +103,75 @@ pub fn dp_split(lengths: &[usize], dp: usize, balance: bool) -> Vec<Vec<usize>> 
 /// ranks stop with rank 0's error instead of waiting for samples that never come).
 #[derive(serde::Serialize, serde::Deserialize)]
 enum RolloutMessage {
-    Samples(Vec<Sample>),
+    Samples(Vec<WireSample>),
     Failed(String),
+}
+
+/// A [`Sample`] as it crosses the data-parallel ranks (as JSON): its floats as their raw bits, so
+/// that a NaN (with its payload) or Inf comes back as it left. Both conversions name every field,
+/// so a field added to `Sample` must be added here too.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct WireSample {
+    prompt_index: usize,
+    tokens: Vec<u32>,
+    response_length: usize,
+    /// `f32::to_bits` of each engine log-prob.
+    rollout_log_probs: Option<Vec<u32>>,
+    response: String,
+    label: Option<String>,
+    /// `f64::to_bits` of the reward.
+    raw_reward: u64,
+    finish: FinishReason,
+}
+
+impl From<Sample> for WireSample {
+    fn from(s: Sample) -> Self {
+        let Sample {
+            prompt_index,
+            tokens,
+            response_length,
+            rollout_log_probs,
+            response,
+            label,
+            raw_reward,
+            finish,
+        } = s;
+        WireSample {
+            prompt_index,
+            tokens,
+            response_length,
+            rollout_log_probs: rollout_log_probs.map(|v| v.into_iter().map(f32::to_bits).collect()),
+            response,
+            label,
+            raw_reward: raw_reward.to_bits(),
+            finish,
+        }
+    }
+}
+
+impl From<WireSample> for Sample {
+    fn from(s: WireSample) -> Self {
+        let WireSample {
+            prompt_index,
+            tokens,
+            response_length,
+            rollout_log_probs,
+            response,
+            label,
+            raw_reward,
+            finish,
+        } = s;
+        Sample {
+            prompt_index,
+            tokens,
+            response_length,
+            rollout_log_probs: rollout_log_probs.map(|v| v.into_iter().map(f32::from_bits).collect()),
+            response,
+            label,
+            raw_reward: f64::from_bits(raw_reward),
+            finish,
+        }
+    }
 }
 
 /// Rank 0's samples (or its error) on every rank of `group`. Rank 0 passes `Some(result)`, the
@@ -111,8 +181,17 @@ pub fn broadcast_samples(group: &dyn Collectives, mine: Option<Result<Vec<Sample
         return mine.context("internal: the only rank has no samples")?;
     }
     let (bytes, own_err) = match mine {
-        Some(Ok(s)) => (serde_json::to_vec(&RolloutMessage::Samples(s))?, None),
-        Some(Err(e)) => (serde_json::to_vec(&RolloutMessage::Failed(format!("{e:#}")))?, Some(e)),
+        Some(Ok(s)) => {
+            let msg = RolloutMessage::Samples(s.into_iter().map(WireSample::from).collect());
+            (
+                serde_json::to_vec(&msg).context("encoding the rollout for the other ranks")?,
+                None,
+            )
+        }
+        Some(Err(e)) => (
+            serde_json::to_vec(&RolloutMessage::Failed(format!("{e:#}"))).context("encoding rank 0's error")?,
+            Some(e),
+        ),
         None => (Vec::new(), None),
     };
     let got = group
@@ -122,7 +201,7 @@ pub fn broadcast_samples(group: &dyn Collectives, mine: Option<Result<Vec<Sample
         return Err(e);
     }
     match serde_json::from_slice(&got).context("decoding the rollout from rank 0")? {
-        RolloutMessage::Samples(s) => Ok(s),
+        RolloutMessage::Samples(s) => Ok(s.into_iter().map(Sample::from).collect()),
         RolloutMessage::Failed(why) => bail!("rank 0 failed to produce the rollout: {why}"),
     }
 }
@@ -340,6 +419,121 @@ mod tests {
                 let got = h.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e:#}"));
                 let bits: Vec<Vec<u32>> = got.iter().map(|v| v.iter().map(|x| x.to_bits()).collect()).collect();
                 assert_eq!(bits, expected, "rank {r}");
+            }
+        });
+    }
+
+    /// Rank 0's samples reach every data-parallel rank with every float's bits: a NaN (whatever
+    /// its payload), +-Inf or -0.0 engine log-prob or reward, which JSON cannot carry (a NaN
+    /// log-prob must reach the step's NaN/Inf guard as at DP = 1). And when rank 0 has no
+    /// rollout, the other ranks stop with its error.
+    #[test]
+    fn samples_keep_nan_and_inf_bits_across_data_parallel_ranks() {
+        use vime_dist::launch::free_port;
+        use vime_dist::{Backend, DistEnv, ParallelDims, Timeouts, World, WorldOptions};
+        let samples = || -> Vec<Sample> {
+            let sample = |prompt_index: usize, lp: Option<Vec<f32>>, raw_reward: f64, finish| Sample {
+                prompt_index,
+                tokens: vec![7, 8, 9, u32::MAX],
+                response_length: 2,
+                rollout_log_probs: lp,
+                response: format!("answer \"{prompt_index}\"\n"),
+                label: prompt_index.is_multiple_of(2).then(|| "42".to_string()),
+                raw_reward,
+                finish,
+            };
+            vec![
+                sample(
+                    0,
+                    Some(vec![f32::NAN, f32::from_bits(0x7fc0_1234), -0.25, -1e-30]),
+                    f64::NAN,
+                    FinishReason::Stop,
+                ),
+                sample(
+                    1,
+                    Some(vec![
+                        f32::INFINITY,
+                        f32::NEG_INFINITY,
+                        -0.0,
+                        f32::from_bits(0xffc0_0001),
+                    ]),
+                    f64::from_bits(0x7ff8_0000_0000_1234),
+                    FinishReason::Length,
+                ),
+                sample(
+                    2,
+                    Some(vec![-0.1, f32::MIN_POSITIVE / 2.0]),
+                    f64::NEG_INFINITY,
+                    FinishReason::Abort,
+                ),
+                sample(3, None, -0.0, FinishReason::Stop),
+                sample(4, Some(vec![]), 0.1, FinishReason::Stop),
+            ]
+        };
+        type Bits = (
+            usize,
+            Vec<u32>,
+            usize,
+            Option<Vec<u32>>,
+            String,
+            Option<String>,
+            u64,
+            FinishReason,
+        );
+        let bits = |s: &[Sample]| -> Vec<Bits> {
+            s.iter()
+                .map(|s| {
+                    (
+                        s.prompt_index,
+                        s.tokens.clone(),
+                        s.response_length,
+                        s.rollout_log_probs
+                            .as_ref()
+                            .map(|v| v.iter().map(|x| x.to_bits()).collect()),
+                        s.response.clone(),
+                        s.label.clone(),
+                        s.raw_reward.to_bits(),
+                        s.finish,
+                    )
+                })
+                .collect()
+        };
+        let expected = bits(&samples());
+        let port = free_port().unwrap();
+        let opts = || WorldOptions {
+            timeouts: Timeouts {
+                rendezvous: Duration::from_secs(20),
+                op: Duration::from_secs(20),
+                heartbeat: Duration::from_secs(10),
+                heartbeat_interval: Duration::from_millis(200),
+            },
+            on_failure: Some(std::sync::Arc::new(|f| eprintln!("test world: {f} died"))),
+        };
+        let dims = ParallelDims::new(2, 1, 1, None).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|r| {
+                    s.spawn(move || -> Result<[Result<Vec<Sample>>; 2]> {
+                        let w = World::new(&DistEnv::local(r, 2, port), dims, Backend::Cpu, opts())?;
+                        let got = broadcast_samples(&**w.dp(), (r == 0).then(|| Ok(samples())));
+                        let failed = broadcast_samples(
+                            &**w.dp(),
+                            (r == 0).then(|| Err(anyhow::anyhow!("the engine went away").context("rollout 3"))),
+                        );
+                        w.finish()?;
+                        Ok([got, failed])
+                    })
+                })
+                .collect();
+            for (r, h) in handles.into_iter().enumerate() {
+                let [got, failed] = h.join().unwrap().unwrap_or_else(|e| panic!("rank {r}: {e:#}"));
+                let got = got.unwrap_or_else(|e| panic!("rank {r}: {e:#}"));
+                assert_eq!(bits(&got), expected, "rank {r}");
+                let e = format!("{:#}", failed.err().unwrap_or_else(|| panic!("rank {r}: no error")));
+                assert!(e.contains("rollout 3: the engine went away"), "rank {r}: {e}");
+                if r > 0 {
+                    assert!(e.contains("rank 0 failed to produce the rollout"), "rank {r}: {e}");
+                }
             }
         });
     }

@@ -37,7 +37,8 @@ pub struct Sample {
     pub rollout_log_probs: Option<Vec<f32>>,
     pub response: String,
     pub label: Option<String>,
-    /// NaN/Inf cross the ranks as JSON `null` and come back as NaN (JSON has no NaN).
+    /// In this serde form a NaN/Inf is JSON `null` and reads back as NaN (JSON has no NaN); across
+    /// the data-parallel ranks it travels with its bits (`parallel::broadcast_samples`).
     #[serde(with = "nan_as_null")]
     pub raw_reward: f64,
     pub finish: FinishReason,
