@@ -10,7 +10,10 @@
 //   q, out     : [B, H, 128] bf16, contiguous (sequence b's query heads)
 //   k, v pools : [capacity, Hkv * 128] bf16, contiguous (one row per cached position)
 //   rows       : u32; the keys of sequence b are pool rows rows[cu_k[b] .. cu_k[b+1]] in position order
-//   cu_k       : B+1 u32 prefix offsets into rows
+//   cu_k       : B+2 u32: B+1 prefix offsets into rows, then the split length `chunk` (keys per
+//                split, a multiple of 64). On the device so that a captured CUDA graph replays
+//                with each step's lengths: the grid's split count is fixed per graph, the chunk
+//                is not; splits past a sequence's end find no keys and weigh nothing.
 //   part_o     : [B, H, splits, 128] f32, part_lse: [B, H, splits] f32 (log2 domain), only when splits > 1
 // The query is the sequence's last position, so it sees every key of its sequence.
 //
@@ -69,8 +72,9 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
                                             const unsigned int* __restrict__ cu_k,
                                             __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
                                             float* __restrict__ part_lse, int heads, int kv_heads,
-                                            int chunk, float scale_log2) {
+                                            float scale_log2) {
     const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
+    const int chunk = (int)cu_k[gridDim.z + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kq = lane >> 3, sl = lane & 7;
     const unsigned k0 = cu_k[b];
@@ -220,11 +224,11 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
         const __nv_bfloat16 *__restrict__ vpool, const unsigned int *__restrict__ rows,          \
         const unsigned int *__restrict__ cu_k, __nv_bfloat16 *__restrict__ out,                  \
         float *__restrict__ part_o, float *__restrict__ part_lse, int heads, int kv_heads,       \
-        int chunk, float scale_log2
+        float scale_log2
 #define VD_KERNEL(G)                                                                             \
     extern "C" __global__ void __launch_bounds__(VD_THREADS) vime_decode_attn_g##G(VD_ARGS) {   \
         vd::decode_impl<G>(q, kpool, vpool, rows, cu_k, out, part_o, part_lse, heads, kv_heads,  \
-                           chunk, scale_log2);                                                   \
+                           scale_log2);                                                   \
     }
 VD_KERNEL(1)
 VD_KERNEL(2)

@@ -1359,21 +1359,17 @@ pub fn rows_write(pool: &Tensor, src: &Tensor, rows: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Resident 128-thread blocks the decode kernel aims for (132 SMs x 8): enough bytes in flight
-/// to keep a memory-bound kernel at bandwidth.
-const DECODE_TARGET_BLOCKS: usize = 1056;
-/// Keys a decode block covers per iteration (4 warps x 16): a split's length is a multiple.
-const DECODE_KEYS_PER_ITER: usize = 64;
-
 /// [`crate::decode::decode_attention`] on the device: `q: [B, H, 128]` bf16, the pools
-/// `[capacity, Hkv x 128]` bf16, `rows` and `cu_k` u32 on the device (checked by the caller),
-/// `max_len` the longest sequence. One split-KV launch, plus a merge when the keys are split.
+/// `[capacity, Hkv x 128]` bf16, `rows` and `meta` (offsets then chunk) u32 on the device
+/// (checked by the caller), `max_len` the longest sequence. One split-KV launch over
+/// `plan.splits`, plus a merge when there is more than one split.
 pub fn decode_attention(
     q: &Tensor,
     k_pool: &Tensor,
     v_pool: &Tensor,
     rows: &Tensor,
     cu_k: &Tensor,
+    plan: crate::decode::SplitPlan,
     max_len: usize,
     scale: f64,
 ) -> Result<Tensor> {
@@ -1400,11 +1396,7 @@ pub fn decode_attention(
         dev.alloc_zeros::<bf16>(n.max(1))?
     };
     if run {
-        let blocks = b * hkv;
-        let max_splits = max_len.div_ceil(DECODE_KEYS_PER_ITER);
-        let splits = DECODE_TARGET_BLOCKS.div_ceil(blocks).clamp(1, max_splits);
-        let chunk = max_len.div_ceil(splits).div_ceil(DECODE_KEYS_PER_ITER) * DECODE_KEYS_PER_ITER;
-        let splits = max_len.div_ceil(chunk);
+        let splits = plan.splits;
         let (part_o, part_lse) = if splits > 1 {
             // Safety: the kernel writes every (row, split) of both.
             unsafe {
@@ -1431,7 +1423,7 @@ pub fn decode_attention(
             slice_addr(&part_o, &dev),
             slice_addr(&part_lse, &dev),
         );
-        let (h_i, hkv_i, chunk_i) = (h as i32, hkv as i32, i32_of("decode_attention", "chunk", chunk)?);
+        let (h_i, hkv_i) = (h as i32, hkv as i32);
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
         let f = decode_fn(&dev, &format!("vime_decode_attn_g{}", h / hkv))?;
         let launch = LaunchConfig {
@@ -1443,20 +1435,7 @@ pub fn decode_attention(
             dev,
             f,
             launch,
-            [
-                &qp,
-                &kp,
-                &vp,
-                &rp,
-                &cp,
-                &op,
-                &pop,
-                &plp,
-                &h_i,
-                &hkv_i,
-                &chunk_i,
-                &scale_log2
-            ]
+            [&qp, &kp, &vp, &rp, &cp, &op, &pop, &plp, &h_i, &hkv_i, &scale_log2]
         );
         if splits > 1 {
             let f = decode_fn(&dev, "vime_decode_combine")?;
@@ -1476,6 +1455,7 @@ pub(crate) fn qk_norm_rope(
     wq: &Tensor,
     wk: &Tensor,
     positions: &[u32],
+    positions_dev: Option<&Tensor>,
     eps: f64,
     theta: f64,
 ) -> Result<(Tensor, Tensor)> {
@@ -1490,14 +1470,23 @@ pub(crate) fn qk_norm_rope(
     // Safety: the kernel writes every element of both.
     let (qo, ko) = unsafe { (dev.alloc::<bf16>(nq.max(1))?, dev.alloc::<bf16>(nk.max(1))?) };
     if t > 0 {
-        let pos = upload_u32_cached(&dev, positions)?;
+        // Device positions (a captured graph's input buffer) or this call's, uploaded.
+        let pos = match positions_dev {
+            Some(_) => None,
+            None => Some(upload_u32_cached(&dev, positions)?),
+        };
+        let pp = match (positions_dev, &pos) {
+            (Some(p), _) => tensor_addr::<u32>(p, "qk_norm_rope")?,
+            (None, Some(p)) => slice_addr(&**p, &dev),
+            (None, None) => unreachable!("uploaded above"),
+        };
         let (qp, kp, wqp, wkp) = (
             tensor_addr::<bf16>(q, "qk_norm_rope")?,
             tensor_addr::<bf16>(k, "qk_norm_rope")?,
             tensor_addr::<bf16>(wq, "qk_norm_rope")?,
             tensor_addr::<bf16>(wk, "qk_norm_rope")?,
         );
-        let (pp, qop, kop) = (slice_addr(&*pos, &dev), slice_addr(&qo, &dev), slice_addr(&ko, &dev));
+        let (qop, kop) = (slice_addr(&qo, &dev), slice_addr(&ko, &dev));
         let (t_i, hq_i, hk_i) = (i32_of("qk_norm_rope", "tokens", t)?, hq as i32, hk as i32);
         let (eps_f, theta_f) = (eps as f32, theta as f32);
         let rows = t * (hq + hk);
@@ -1545,4 +1534,79 @@ pub fn rows_write2(k_pool: &Tensor, v_pool: &Tensor, k: &Tensor, v: &Tensor, row
         [&pk, &pv, &sk, &sv, &rp, &total, &w]
     );
     Ok(())
+}
+
+/// Writes `src` into the contiguous u32 device tensor `dst` from element `offset`, on its
+/// device's stream (after the work queued before, before the work queued after). A captured
+/// graph's input buffers keep their addresses: this is how each replay reads its step's values.
+pub fn write_u32(dst: &Tensor, offset: usize, src: &[u32]) -> Result<()> {
+    let dev = match dst.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("write_u32: the destination must be on a CUDA device"),
+    };
+    if dst.dtype() != DType::U32 || !dst.is_contiguous() || offset + src.len() > dst.elem_count() {
+        bail!(
+            "write_u32: {} values at {offset} into {:?} {:?}",
+            src.len(),
+            dst.dims(),
+            dst.dtype()
+        );
+    }
+    if src.is_empty() {
+        return Ok(());
+    }
+    let p = tensor_addr::<u32>(dst, "write_u32")? + 4 * offset as u64;
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    // Safety: `p .. p + 4 len` lies inside `dst` (checked above); a pageable source is staged
+    // by the driver before the call returns, so `src` may go away after it.
+    unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(p, src, stream.cu_stream()) }.w()?;
+    Ok(())
+}
+
+/// Work on a device's stream, captured once and replayed with [`DeviceGraph::launch`]: one
+/// launch instead of one per kernel. The graph reads and writes the addresses it was captured
+/// with; inputs change between replays only through buffers written in place ([`write_u32`],
+/// `slice_set`).
+pub struct DeviceGraph {
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+}
+
+impl DeviceGraph {
+    /// Queues one replay on the stream it was captured from.
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().w()
+    }
+}
+
+/// Runs `f` once (for real: its result is returned), then again under stream capture (nothing
+/// executes; the kernels it queues become the graph). Both runs keep candle's small host
+/// uploads (kernel layout parameters) in candle's capture cache, so that the captured run
+/// reuses the first run's device copies instead of copying from the host, which a capture
+/// cannot do. `f` must be the same work both times, must not read results back to the host,
+/// and must drop every tensor it creates except those it writes into buffers that outlive it:
+/// a graph owns the memory allocated inside it, and all of it is freed inside it.
+pub fn run_and_capture<R, E: From<candle_core::Error>>(
+    device: &candle_core::Device,
+    mut f: impl FnMut() -> std::result::Result<R, E>,
+) -> std::result::Result<(R, DeviceGraph), E> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let dev = match device {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => return Err(candle_core::Error::Msg("run_and_capture: CUDA graphs need a CUDA device".into()).into()),
+    };
+    let _cache = dev.enable_cuda_graph_htod_cache();
+    let out = f()?;
+    let stream = dev.cuda_stream();
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .w()?;
+    let captured = f().map(drop);
+    // End the capture whatever happened, so that the stream is usable again.
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    captured?;
+    let graph = graph
+        .w()?
+        .ok_or_else(|| candle_core::Error::Msg("run_and_capture: the capture recorded nothing".into()))?;
+    Ok((out, DeviceGraph { graph }))
 }

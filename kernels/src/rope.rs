@@ -11,7 +11,7 @@
 use crate::real::Real;
 use crate::with_acc;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -54,6 +54,9 @@ pub fn rope_backward(dy: &Tensor, positions: &Arc<[u32]>, theta: f64) -> Result<
 /// Inference only (no backward): `(rope(rms_norm(q; wq)), rope(rms_norm(k; wk)))` for the
 /// per-head norms of a layer, `q: [T, Hq, d]`, `k: [T, Hk, d]`, `wq, wk: [d]`. On CUDA bf16 with
 /// `d = 128` one kernel that equals the four separate kernels bit for bit; elsewhere those ops.
+/// `positions_dev`: the same positions already on the device (u32), read by the kernel instead
+/// of uploading `positions` (a captured CUDA graph's input buffer).
+#[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope(
     q: &Tensor,
     k: &Tensor,
@@ -61,8 +64,19 @@ pub fn qk_norm_rope(
     wk: &Tensor,
     eps: f64,
     positions: &Arc<[u32]>,
+    positions_dev: Option<&Tensor>,
     theta: f64,
 ) -> Result<(Tensor, Tensor)> {
+    if let Some(p) = positions_dev {
+        if p.dims1()? != positions.len() || p.dtype() != DType::U32 {
+            bail!(
+                "qk_norm_rope: device positions {:?} {:?}, {} host positions",
+                p.dims(),
+                p.dtype(),
+                positions.len()
+            );
+        }
+    }
     #[cfg(feature = "cuda")]
     if crate::fused_cuda(q.device(), q.dtype()) && q.dim(2)? == 128 && k.dim(2)? == 128 {
         let t = q.dim(0)?;
@@ -82,6 +96,7 @@ pub fn qk_norm_rope(
             &wq.contiguous()?,
             &wk.contiguous()?,
             positions,
+            positions_dev,
             eps,
             theta,
         );

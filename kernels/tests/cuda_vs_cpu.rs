@@ -11,6 +11,7 @@ use candle_core::Var;
 use candle_core::{DType, Device, Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
+use vime_kernels::decode::SplitPlan;
 use vime_kernels::testing::{autograd_grads, rel_err, weighted_sum, Rng};
 
 const TOL: f64 = 1e-2;
@@ -686,27 +687,38 @@ fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
             cu.push(cu.last().unwrap() + *l as u32);
         }
         let cu: Arc<[u32]> = cu.into();
-        let run = |dev: &Device| -> Result<Tensor> {
+        let max_len = *lens.iter().max().unwrap();
+        let run = |dev: &Device, plan: SplitPlan| -> Result<Tensor> {
             let rows_t = Tensor::from_vec(rows.clone(), total, dev)?;
-            let cu_t = Tensor::from_vec(cu.to_vec(), cu.len(), dev)?;
+            let meta = plan.device_meta(&cu);
+            let meta_t = Tensor::from_vec(meta.clone(), meta.len(), dev)?;
             vime_kernels::decode::decode_attention(
                 &q.to_device(dev)?,
                 &kp.to_device(dev)?,
                 &vp.to_device(dev)?,
                 &rows_t,
                 &cu,
-                &cu_t,
+                &meta_t,
+                plan,
                 1.0 / (d as f64).sqrt(),
                 &kernels,
             )
         };
-        let (want, got) = (run(&Device::Cpu)?, run(gpu)?.to_device(&Device::Cpu)?);
-        let err = rel_err(&got, &want)?;
+        // The plan of an eager call and the fixed plan of a captured graph: both against the CPU.
+        let (call, fixed) = (
+            SplitPlan::for_call(lens.len(), hkv, max_len),
+            SplitPlan::fixed(lens.len(), hkv, max_len),
+        );
+        let want = run(&Device::Cpu, call)?;
+        let got = run(gpu, call)?.to_device(&Device::Cpu)?;
+        let got_fixed = run(gpu, fixed)?.to_device(&Device::Cpu)?;
+        let err = rel_err(&got, &want)?.max(rel_err(&got_fixed, &want)?);
         let ok = err <= TOL;
         let desc = format!(
-            "B {} H {heads} Hkv {hkv}, keys 1..{}",
+            "B {} H {heads} Hkv {hkv}, keys 1..{max_len}, splits {}/{}",
             lens.len(),
-            lens.iter().max().unwrap()
+            call.splits,
+            fixed.splits
         );
         println!(
             "{:<26} {desc:<52} rel err {err:.1e}  {}",
@@ -732,7 +744,11 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     let pos: Arc<[u32]> = (0..t as u32).map(|i| i * 37 % 40_000).collect();
     let (eps, theta) = (1e-6, 1_000_000.0);
     let g = |x: &Tensor| x.to_device(gpu);
-    let (fq, fk) = vime_kernels::rope::qk_norm_rope(&g(&q)?, &g(&k)?, &g(&wq)?, &g(&wk)?, eps, &pos, theta)?;
+    let (fq, fk) = vime_kernels::rope::qk_norm_rope(&g(&q)?, &g(&k)?, &g(&wq)?, &g(&wk)?, eps, &pos, None, theta)?;
+    // The same positions already on the device (a graph's input buffer): the same bits.
+    let pos_dev = Tensor::from_vec(pos.to_vec(), t, gpu)?;
+    let (dq, dk) =
+        vime_kernels::rope::qk_norm_rope(&g(&q)?, &g(&k)?, &g(&wq)?, &g(&wk)?, eps, &pos, Some(&pos_dev), theta)?;
     let sq = vime_kernels::rope(&vime_kernels::rms_norm(&g(&q)?, &g(&wq)?, eps)?, &pos, theta)?;
     let sk = vime_kernels::rope(&vime_kernels::rms_norm(&g(&k)?, &g(&wk)?, eps)?, &pos, theta)?;
     let max_diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
@@ -742,8 +758,11 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
             .max(0)?
             .to_scalar::<f32>()
     };
-    let same = max_diff(&fq, &sq)?.max(max_diff(&fk, &sk)?);
-    let (cq, ck) = vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, &pos, theta)?;
+    let same = max_diff(&fq, &sq)?
+        .max(max_diff(&fk, &sk)?)
+        .max(max_diff(&dq, &fq)?)
+        .max(max_diff(&dk, &fk)?);
+    let (cq, ck) = vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, &pos, None, theta)?;
     let cpu_err = rel_err(&fq.to_device(&Device::Cpu)?, &cq)?.max(rel_err(&fk.to_device(&Device::Cpu)?, &ck)?);
     let ok = same == 0.0 && cpu_err <= TOL;
     println!(
@@ -850,10 +869,114 @@ fn engine_ops_on_cuda_match_the_cpu() -> Result<()> {
     }
     check_decode_attention(&gpu, &mut rng, &mut failures)?;
     check_fused_decode_ops(&gpu, &mut rng, &mut failures)?;
+    check_graph_replay(&gpu, &mut rng, &mut failures)?;
     println!(
-        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows, decode_attention, qk_norm_rope, write_rows2 vs the CPU)",
+        "ENGINE OPS VERDICT: {} (sample_gumbel, write_rows, decode_attention, qk_norm_rope, write_rows2 vs the CPU; \
+         a captured graph's replays vs eager runs)",
         if failures.is_empty() { "PASS" } else { "FAIL" }
     );
     assert!(failures.is_empty(), "{failures:?}");
+    Ok(())
+}
+
+/// A captured CUDA graph (`vime_kernels::cuda::run_and_capture`) of a decode-shaped chain
+/// (norm + RoPE with device positions, a K/V row write, matmul, decode attention with device
+/// metadata, SwiGLU, an in-place copy into an output buffer) replayed with new inputs written in
+/// place (`write_u32`) gives, bit for bit, what the same chain run eagerly on those inputs gives.
+fn check_graph_replay(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    use vime_kernels::cuda::{run_and_capture, write_u32};
+    let (b, hq, hkv, d, cap) = (8usize, 16usize, 8usize, 128usize, 4096usize);
+    let kernels = vime_kernels::KernelConfig::default();
+    let kp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, gpu)?;
+    let vp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, gpu)?;
+    let wq = rng.randn(&[d], 1.0, DType::BF16, gpu)?;
+    let wk = rng.randn(&[d], 1.0, DType::BF16, gpu)?;
+    let wo = rng.randn(&[2 * hq * d, hq * d], 0.02, DType::BF16, gpu)?;
+    let x_in = Tensor::zeros((b, hq + hkv, d), DType::BF16, gpu)?;
+    let out = Tensor::zeros((b, hq * d), DType::BF16, gpu)?;
+    let (pos_buf, write_buf) = (Tensor::zeros(b, DType::U32, gpu)?, Tensor::zeros(b, DType::U32, gpu)?);
+    let (read_buf, meta_buf) = (
+        Tensor::zeros(cap, DType::U32, gpu)?,
+        Tensor::zeros(b + 2, DType::U32, gpu)?,
+    );
+    // Step `s`: each sequence has 40 + 100 s + 7 i keys; its new key is the last one.
+    let step = |s: usize| -> (Vec<u32>, Vec<u32>, Vec<u32>, Arc<[u32]>, usize) {
+        let lens: Vec<usize> = (0..b).map(|i| 40 + 100 * s + 7 * i).collect();
+        let mut read = Vec::new();
+        let mut cu = vec![0u32];
+        for (i, &l) in lens.iter().enumerate() {
+            read.extend((0..l).map(|j| ((i * 397 + j * 8) % cap) as u32));
+            cu.push(read.len() as u32);
+        }
+        let write: Vec<u32> = (0..b).map(|i| read[cu[i + 1] as usize - 1]).collect();
+        let pos: Vec<u32> = lens.iter().map(|&l| l as u32 - 1).collect();
+        (pos, write, read, cu.into(), *lens.iter().max().unwrap())
+    };
+    let plan_for = |max_len: usize| SplitPlan::fixed(b, hkv, max_len);
+    let chain = |pos: &Arc<[u32]>, cu: &Arc<[u32]>, plan: SplitPlan| -> Result<()> {
+        let q = x_in.narrow(1, 0, hq)?;
+        let k = x_in.narrow(1, hq, hkv)?;
+        let (qr, kr) = vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, 1e-6, pos, Some(&pos_buf), 1e6)?;
+        vime_kernels::rows::write_rows2(
+            &kp,
+            &vp,
+            &write_buf,
+            &kr.reshape((b, hkv * d))?,
+            &kr.reshape((b, hkv * d))?,
+        )?;
+        let a = vime_kernels::decode::decode_attention(&qr, &kp, &vp, &read_buf, cu, &meta_buf, plan, 0.088, &kernels)?;
+        let a = a.reshape((b, hq * d))?;
+        let gu = a.matmul(&wo.t()?)?;
+        let act = vime_kernels::swiglu(&gu.narrow(1, 0, hq * d)?, &gu.narrow(1, hq * d, hq * d)?)?;
+        out.slice_set(&act, 0, 0)
+    };
+    let load = |s: usize, x: &Tensor| -> Result<(Arc<[u32]>, Arc<[u32]>, SplitPlan)> {
+        let (pos, write, read, cu, max_len) = step(s);
+        let plan = plan_for(max_len);
+        write_u32(&pos_buf, 0, &pos)?;
+        write_u32(&write_buf, 0, &write)?;
+        write_u32(&read_buf, 0, &read)?;
+        write_u32(&meta_buf, 0, &plan.device_meta(&cu))?;
+        x_in.slice_set(x, 0, 0)?;
+        Ok((pos.into(), cu, plan))
+    };
+    let xs: Vec<Tensor> = (0..4)
+        .map(|_| rng.randn(&[b, hq + hkv, d], 1.0, DType::BF16, gpu))
+        .collect::<Result<_>>()?;
+    // The pools change as the chain runs (row writes): eager and graph runs start from copies.
+    let (k0, v0) = (kp.copy()?, vp.copy()?);
+    let (pos, cu, plan) = load(0, &xs[0])?;
+    let ((), graph) = run_and_capture(gpu, || chain(&pos, &cu, plan))?;
+    let mut replayed = vec![out.to_device(&Device::Cpu)?];
+    for (s, x) in xs.iter().enumerate().skip(1) {
+        let (_pos, _cu, p) = load(s, x)?;
+        assert_eq!(p.splits, plan.splits, "the fixed plan's grid depends on the batch only");
+        graph.launch()?;
+        replayed.push(out.to_device(&Device::Cpu)?);
+    }
+    kp.slice_set(&k0, 0, 0)?;
+    vp.slice_set(&v0, 0, 0)?;
+    let mut worst = 0f32;
+    for (s, x) in xs.iter().enumerate() {
+        let (pos, cu, plan) = load(s, x)?;
+        chain(&pos, &cu, plan)?;
+        let eager = out.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let diff = (eager - replayed[s].to_dtype(DType::F32)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        worst = worst.max(diff);
+    }
+    let ok = worst == 0.0;
+    println!(
+        "{:<26} {:<52} max |replay - eager| {worst:e}  {}",
+        "cuda_graph_replay",
+        format!("B {b} H {hq} Hkv {hkv}, 4 steps, keys 40..{}", 40 + 300 + 7 * (b - 1)),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("cuda_graph_replay: max |replay - eager| {worst:e}"));
+    }
     Ok(())
 }

@@ -439,10 +439,11 @@ impl Block {
         let q = linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?;
         let k = linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let v = linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let (qr, kr) = if matches!(attention, Attention::Cached { .. }) {
+        let (qr, kr) = if let Attention::Cached { rows, .. } = attention {
             // Decoding: the four norm/rope kernels as one launch (the same bits).
             let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
-            vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, positions, ctx.rope_theta)?
+            let pos_dev = rows.positions_dev();
+            vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, positions, pos_dev, ctx.rope_theta)?
         } else {
             (
                 rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, positions, ctx.rope_theta)?,

@@ -67,6 +67,13 @@ pub struct KvCache {
     pages: usize,
     free_pages: Vec<u32>,
     slots: BTreeMap<usize, Slot>,
+    /// Bumped whenever the pools move (they grow by copying): a captured decode graph holds
+    /// their addresses and is dropped when this changes ([`DecodeGraphs`]).
+    generation: u64,
+    /// This cache's identity, for the same reason.
+    uid: u64,
+    /// The row padding sequences of a graphed decode step write and read (outside every slot).
+    pad_row: Option<u32>,
 }
 
 /// The pool rows of one call (see the module docs), shared by every layer.
@@ -75,9 +82,19 @@ pub(crate) struct CallRows {
     write: Tensor,
     /// `[cached + new tokens of every sequence]`: the rows to gather, in call order.
     read: Tensor,
-    /// A decode call (one new token per sequence): the sequences' offsets into `read` on the
-    /// device, for the decode kernel (uploaded once per call, read by every layer).
-    decode_cu_k: Option<Tensor>,
+    /// A decode call (one new token per sequence): the decode kernel's metadata on the device
+    /// (the sequences' offsets into `read`, then the split length; uploaded once per call, read
+    /// by every layer) and its split plan.
+    decode: Option<(Tensor, vime_kernels::decode::SplitPlan)>,
+    /// The new tokens' positions on the device (a captured graph's input buffer); `None`: the
+    /// kernels upload the host positions.
+    positions: Option<Tensor>,
+}
+
+impl CallRows {
+    pub(crate) fn positions_dev(&self) -> Option<&Tensor> {
+        self.positions.as_ref()
+    }
 }
 
 impl KvCache {
@@ -100,6 +117,12 @@ impl KvCache {
             pages: 0,
             free_pages: Vec::new(),
             slots: BTreeMap::new(),
+            generation: 0,
+            uid: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
+            pad_row: None,
         }
     }
 
@@ -180,10 +203,25 @@ impl KvCache {
             .collect::<Result<Vec<_>>>()?;
         self.k = k;
         self.v = v;
+        self.generation += 1;
         // Hand out low pages first (popped from the end).
         self.free_pages.extend((self.pages as u32..new_pages as u32).rev());
         self.pages = new_pages;
         Ok(())
+    }
+
+    /// A pool row outside every slot, for the padding sequences of a graphed decode step.
+    fn pad_row(&mut self) -> Result<u32> {
+        if let Some(r) = self.pad_row {
+            return Ok(r);
+        }
+        if self.free_pages.is_empty() {
+            self.grow(self.pages + 1)?;
+        }
+        let page = self.free_pages.pop().expect("grown above");
+        let row = page * PAGE as u32;
+        self.pad_row = Some(row);
+        Ok(row)
     }
 
     /// The pool rows of a call of `seqs = [(slot, past, new tokens)]` (reserved by the caller).
@@ -207,16 +245,20 @@ impl KvCache {
             cu_k.push(read.len() as u32);
         }
         let (nw, nr) = (write.len(), read.len());
-        let decode = seqs.iter().all(|&(_, _, n)| n == 1);
-        let nk = cu_k.len();
+        let decode = if seqs.iter().all(|&(_, _, n)| n == 1) {
+            let max_len = seqs.iter().map(|&(_, p, n)| p + n).max().unwrap_or(0);
+            let plan = vime_kernels::decode::SplitPlan::for_call(seqs.len(), self.num_kv_heads, max_len);
+            let meta = plan.device_meta(&cu_k);
+            let n = meta.len();
+            Some((Tensor::from_vec(meta, n, &self.device)?, plan))
+        } else {
+            None
+        };
         Ok(CallRows {
             write: Tensor::from_vec(write, nw, &self.device)?,
             read: Tensor::from_vec(read, nr, &self.device)?,
-            decode_cu_k: if decode {
-                Some(Tensor::from_vec(cu_k, nk, &self.device)?)
-            } else {
-                None
-            },
+            decode,
+            positions: None,
         })
     }
 
@@ -235,13 +277,13 @@ impl KvCache {
         scale: f64,
         kernels: &vime_kernels::KernelConfig,
     ) -> Result<Option<Tensor>> {
-        let Some(cu_k_dev) = &rows.decode_cu_k else {
+        let Some((meta, plan)) = &rows.decode else {
             return Ok(None);
         };
         self.append(layer, rows, k, v)?;
         let (kp, vp) = (&self.k[layer], &self.v[layer]);
         Ok(Some(vime_kernels::decode::decode_attention(
-            q, kp, vp, &rows.read, cu_k, cu_k_dev, scale, kernels,
+            q, kp, vp, &rows.read, cu_k, meta, *plan, scale, kernels,
         )?))
     }
 
@@ -319,30 +361,7 @@ impl Qwen3 {
         rows: HiddenRows,
     ) -> Result<Tensor> {
         let c = self.config();
-        self.check_cache(cache)?;
-        if seqs.is_empty() {
-            bail!("forward_with_cache: no sequences");
-        }
-        let vocab = c.vocab_size as u32;
-        let mut seen = std::collections::BTreeSet::new();
-        for (i, &(slot, toks)) in seqs.iter().enumerate() {
-            if !seen.insert(slot) {
-                bail!("forward_with_cache: slot {slot} appears twice in one call");
-            }
-            if toks.is_empty() {
-                bail!("forward_with_cache: sequence {i} (slot {slot}) has no new tokens");
-            }
-            if let Some(&id) = toks.iter().find(|&&id| id >= vocab) {
-                bail!("forward_with_cache: token {id} of slot {slot} is outside the vocabulary ({vocab} ids)");
-            }
-            let total = cache.seq_len(slot) + toks.len();
-            if total > c.max_position_embeddings {
-                bail!(
-                    "forward_with_cache: slot {slot} would hold {total} tokens, past max_position_embeddings {}",
-                    c.max_position_embeddings
-                );
-            }
-        }
+        self.check_call(seqs, cache)?;
 
         // Host metadata: positions continue from each slot's cached length.
         let mut ids = Vec::new();
@@ -415,6 +434,175 @@ impl Qwen3 {
         self.forward_with_cache(&seqs, cache, HiddenRows::Last)
     }
 
+    /// What [`Self::forward_with_cache`] refuses: no sequences, a slot twice, a sequence with no
+    /// tokens, a token outside the vocabulary, a sequence past `max_position_embeddings`, a
+    /// cache of another shape.
+    fn check_call(&self, seqs: &[(usize, &[u32])], cache: &KvCache) -> Result<()> {
+        let c = self.config();
+        self.check_cache(cache)?;
+        if seqs.is_empty() {
+            bail!("forward_with_cache: no sequences");
+        }
+        let vocab = c.vocab_size as u32;
+        let mut seen = std::collections::BTreeSet::new();
+        for (i, &(slot, toks)) in seqs.iter().enumerate() {
+            if !seen.insert(slot) {
+                bail!("forward_with_cache: slot {slot} appears twice in one call");
+            }
+            if toks.is_empty() {
+                bail!("forward_with_cache: sequence {i} (slot {slot}) has no new tokens");
+            }
+            if let Some(&id) = toks.iter().find(|&&id| id >= vocab) {
+                bail!("forward_with_cache: token {id} of slot {slot} is outside the vocabulary ({vocab} ids)");
+            }
+            let total = cache.seq_len(slot) + toks.len();
+            if total > c.max_position_embeddings {
+                bail!(
+                    "forward_with_cache: slot {slot} would hold {total} tokens, past max_position_embeddings {}",
+                    c.max_position_embeddings
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::decode`] through captured CUDA graphs: the batch is padded to a bucket size
+    /// ([`graph_batch`]), every per-step input goes to that bucket's fixed device buffers, and
+    /// the whole forward (embedding, every layer, the final norm) replays as one graph launch
+    /// once captured. The padding sequences (token 0 at position 0) write and read one spare
+    /// pool row and their outputs are dropped; each real sequence attends only to its own keys,
+    /// so its hidden state is what [`Self::decode`] computes, up to the split of the decode
+    /// kernel's key reduction (a fixed plan per bucket, [`vime_kernels::decode::SplitPlan::fixed`]).
+    /// Without CUDA (or with graphs off) the same padded forward runs eagerly, which is how the
+    /// CPU tests hold it to [`Self::decode`]. `graphs` must serve this model and `cache` only;
+    /// it starts over when either changes or the pool grows.
+    pub fn decode_graphed(
+        &self,
+        steps: &[(usize, u32)],
+        cache: &mut KvCache,
+        graphs: &mut DecodeGraphs,
+    ) -> Result<Tensor> {
+        let toks: Vec<[u32; 1]> = steps.iter().map(|&(_, t)| [t]).collect();
+        let seqs: Vec<(usize, &[u32])> = steps.iter().zip(&toks).map(|(&(s, _), t)| (s, &t[..])).collect();
+        self.check_call(&seqs, cache)?;
+        let c = self.config();
+        for &(slot, _) in steps {
+            let p = cache.seq_len(slot);
+            cache.reserve(slot, p + 1)?;
+        }
+        let pad = cache.pad_row()?;
+        let (b, bp) = (steps.len(), graph_batch(steps.len()));
+
+        // Host inputs: the real sequences, then the padding.
+        let (mut ids, mut positions, mut write) =
+            (Vec::with_capacity(bp), Vec::with_capacity(bp), Vec::with_capacity(bp));
+        let mut read = Vec::new();
+        let mut cu_k = Vec::with_capacity(bp + 1);
+        cu_k.push(0u32);
+        let mut max_len = 1;
+        for &(slot, tok) in steps {
+            let s = cache.slots.get(&slot).expect("reserved above");
+            let p = s.len;
+            ids.push(tok);
+            positions.push(p as u32);
+            write.push(s.row(p));
+            read.extend((0..=p).map(|t| s.row(t)));
+            cu_k.push(read.len() as u32);
+            max_len = max_len.max(p + 1);
+        }
+        for _ in b..bp {
+            ids.push(0);
+            positions.push(0);
+            write.push(pad);
+            read.push(pad);
+            cu_k.push(read.len() as u32);
+        }
+        let plan = vime_kernels::decode::SplitPlan::fixed(bp, cache.num_kv_heads, max_len);
+        let meta = plan.device_meta(&cu_k);
+
+        let model_id = self.embed.as_tensor().id();
+        graphs.start(model_id, cache, read.len())?;
+        let dev = self.device().clone();
+        graphs.front_bucket(bp, c.hidden_size, self.dtype(), &dev)?;
+        let read_buf = graphs.read.as_mut().expect("made by start");
+        put(read_buf, &read)?;
+        let read_buf = read_buf.clone();
+        let bucket = &mut graphs.buckets[0];
+        put(&mut bucket.ids, &ids)?;
+        put(&mut bucket.positions, &positions)?;
+        put(&mut bucket.write, &write)?;
+        put(&mut bucket.meta, &meta)?;
+
+        let cu_q: Arc<[u32]> = (0..=bp as u32).collect();
+        let cu_k: Arc<[u32]> = cu_k.into();
+        let positions: Arc<[u32]> = positions.into();
+        let cache_ref: &KvCache = cache;
+        let (ids_t, pos_t, write_t, meta_t, out_t) = (
+            bucket.ids.clone(),
+            bucket.positions.clone(),
+            bucket.write.clone(),
+            bucket.meta.clone(),
+            bucket.out.clone(),
+        );
+        let body = || -> Result<()> {
+            let rows = CallRows {
+                write: write_t.clone(),
+                read: read_buf.clone(),
+                decode: Some((meta_t.clone(), plan)),
+                positions: Some(pos_t.clone()),
+            };
+            let attention = Attention::Cached {
+                cache: cache_ref,
+                rows: &rows,
+                cu_seqlens_q: &cu_q,
+                cu_seqlens_k: &cu_k,
+            };
+            let mut x = w(&self.embed, false).embedding(&ids_t)?;
+            for blk in &self.blocks {
+                x = blk
+                    .forward(
+                        self.block_ctx(),
+                        &x,
+                        &positions,
+                        &attention,
+                        crate::block::Keep::Nothing,
+                        None,
+                        &vime_dist::SingleRank::default(),
+                    )?
+                    .0;
+            }
+            let y = rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?;
+            Ok(out_t.slice_set(&y, 0, 0)?)
+        };
+        #[cfg(feature = "cuda")]
+        if graphs.enabled && dev.is_cuda() {
+            match &bucket.graph {
+                Some(g) => {
+                    g.launch()?;
+                    graphs.stats.replays += 1;
+                }
+                None => {
+                    let ((), g) = vime_kernels::cuda::run_and_capture(&dev, body)
+                        .with_context(|| format!("capturing the decode step of {bp} sequences as a CUDA graph"))?;
+                    bucket.graph = Some(g);
+                    graphs.stats.captures += 1;
+                }
+            }
+        } else {
+            body()?;
+            graphs.stats.eager += 1;
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            body()?;
+            graphs.stats.eager += 1;
+        }
+        for &(slot, _) in steps {
+            cache.slots.get_mut(&slot).expect("reserved above").len += 1;
+        }
+        Ok(out_t.narrow(0, 0, b)?.copy()?)
+    }
+
     fn check_cache(&self, cache: &KvCache) -> Result<()> {
         let c = self.config();
         let want = (c.num_hidden_layers, self.block_ctx().kv_heads, c.head_dim);
@@ -430,6 +618,147 @@ impl Qwen3 {
                 self.dtype(),
                 self.device()
             );
+        }
+        Ok(())
+    }
+}
+
+/// The batch size a graphed decode step of `b` sequences pads to (vLLM's capture sizes): 1, 2,
+/// 4, 8, then multiples of 8 up to 256, then of 32. Few graphs, little padding.
+pub fn graph_batch(b: usize) -> usize {
+    match b {
+        0..=8 => b.max(1).next_power_of_two(),
+        9..=256 => b.next_multiple_of(8),
+        _ => b.next_multiple_of(32),
+    }
+}
+
+/// Writes `host` into the u32 buffer `t` (same length): in place on CUDA (the buffer keeps its
+/// address, which a captured graph reads), a new tensor elsewhere.
+fn put(t: &mut Tensor, host: &[u32]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if t.device().is_cuda() {
+        if host.len() > t.elem_count() {
+            bail!("internal: {} values for a buffer of {:?}", host.len(), t.dims());
+        }
+        return Ok(vime_kernels::cuda::write_u32(t, 0, host)?);
+    }
+    let n = t.elem_count();
+    let mut v = host.to_vec();
+    v.resize(n.max(host.len()), 0);
+    let len = v.len();
+    *t = Tensor::from_vec(v, len, t.device())?;
+    Ok(())
+}
+
+/// Graphs at most kept (least recently used dropped first): each holds its own activations.
+const MAX_GRAPHS: usize = 24;
+
+/// Counts of [`Qwen3::decode_graphed`] steps, by how they ran.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Steps that captured a new graph (and ran eagerly once).
+    pub captures: usize,
+    /// Steps that replayed a captured graph.
+    pub replays: usize,
+    /// Steps that ran the padded forward without graphs (CPU, or graphs off).
+    pub eager: usize,
+}
+
+/// One bucket's fixed buffers and graph.
+struct GraphBucket {
+    batch: usize,
+    ids: Tensor,
+    positions: Tensor,
+    write: Tensor,
+    meta: Tensor,
+    out: Tensor,
+    #[cfg(feature = "cuda")]
+    graph: Option<vime_kernels::cuda::DeviceGraph>,
+}
+
+/// The captured decode graphs of one model over one [`KvCache`] ([`Qwen3::decode_graphed`]),
+/// one per padded batch size, with their input buffers. Not `Send`: a graph belongs to the
+/// thread that captured it (keep one per generate call).
+pub struct DecodeGraphs {
+    enabled: bool,
+    /// (model, cache, cache generation) the graphs were captured for.
+    owner: Option<(candle_core::TensorId, u64, u64)>,
+    /// The rows every sequence reads, `[capacity]` u32, shared by the buckets.
+    read: Option<Tensor>,
+    buckets: Vec<GraphBucket>,
+    pub stats: GraphStats,
+}
+
+impl DecodeGraphs {
+    /// `enabled`: capture and replay on CUDA devices (elsewhere the padded forward runs eagerly).
+    pub fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            owner: None,
+            read: None,
+            buckets: Vec::new(),
+            stats: GraphStats::default(),
+        }
+    }
+
+    /// Whether graphs are used: the flag given to [`Self::new`] and the `VIME_CUDA_GRAPHS`
+    /// environment variable (`0` turns them off).
+    pub fn from_env() -> Self {
+        Self::new(std::env::var("VIME_CUDA_GRAPHS").map_or(true, |v| v != "0"))
+    }
+
+    /// Whether this value captures graphs (on CUDA devices).
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Graphs captured and alive.
+    pub fn live(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.buckets.iter().filter(|b| b.graph.is_some()).count();
+        #[cfg(not(feature = "cuda"))]
+        0
+    }
+
+    /// Drops everything captured unless it was for this model, cache and pool; makes the read
+    /// buffer hold at least `reads` rows.
+    fn start(&mut self, model: candle_core::TensorId, cache: &KvCache, reads: usize) -> Result<()> {
+        let owner = Some((model, cache.uid, cache.generation));
+        let fits = self.read.as_ref().is_some_and(|r| r.elem_count() >= reads);
+        if self.owner != owner || !fits {
+            self.buckets.clear();
+            // Every sequence's keys sit in distinct pool rows; the padding adds one read each.
+            let cap = reads.max(cache.pages * PAGE + 1024);
+            self.read = Some(Tensor::zeros(cap, DType::U32, &cache.device)?);
+            self.owner = owner;
+        }
+        Ok(())
+    }
+
+    /// Moves the bucket of padded batch `batch` (made on first use) to the front.
+    fn front_bucket(&mut self, batch: usize, hidden: usize, dtype: DType, dev: &Device) -> Result<()> {
+        if let Some(i) = self.buckets.iter().position(|b| b.batch == batch) {
+            if i != 0 {
+                let b = self.buckets.remove(i);
+                self.buckets.insert(0, b);
+            }
+        } else {
+            let z = |n: usize| Tensor::zeros(n, DType::U32, dev);
+            self.buckets.insert(
+                0,
+                GraphBucket {
+                    batch,
+                    ids: z(batch)?,
+                    positions: z(batch)?,
+                    write: z(batch)?,
+                    meta: z(batch + 2)?,
+                    out: Tensor::zeros((batch, hidden), dtype, dev)?,
+                    #[cfg(feature = "cuda")]
+                    graph: None,
+                },
+            );
+            self.buckets.truncate(MAX_GRAPHS);
         }
         Ok(())
     }

@@ -210,3 +210,62 @@ fn bad_calls_are_refused() -> Result<()> {
     assert_eq!(cache.seq_len(1), 0);
     Ok(())
 }
+
+/// The padded decode of the CUDA-graph path ([`Qwen3::decode_graphed`], run eagerly on the CPU)
+/// gives every real sequence what [`Qwen3::decode`] gives it, step after step, as the batch
+/// shrinks through padded sizes (11 -> 16, 9 -> 16, 5 -> 8, 3 -> 4, 1) and sequences of
+/// different lengths share the pool with the padding's spare row.
+#[test]
+fn graphed_decode_equals_decode() -> Result<()> {
+    use vime_qwen3::infer::{graph_batch, DecodeGraphs};
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+        for case in CASES {
+            let model = load(case, dtype)?;
+            let vocab = model.config().vocab_size;
+            let (mut plain, mut padded) = (model.new_kv_cache(), model.new_kv_cache());
+            let mut graphs = DecodeGraphs::new(true);
+            let slots: Vec<usize> = (0..11).map(|i| 3 * i + 1).collect();
+            let prompts: Vec<Vec<u32>> = slots
+                .iter()
+                .map(|&s| random_tokens(1 + (s * 7) % 23, vocab, s as u64))
+                .collect();
+            let seqs: Vec<(usize, &[u32])> = slots.iter().zip(&prompts).map(|(&s, p)| (s, p.as_slice())).collect();
+            model.forward_with_cache(&seqs, &mut plain, HiddenRows::Last)?;
+            model.forward_with_cache(&seqs, &mut padded, HiddenRows::Last)?;
+            let mut live = slots.clone();
+            let mut steps = 0;
+            for (round, keep) in [11usize, 11, 9, 9, 5, 3, 3, 1, 1].into_iter().enumerate() {
+                for s in live.split_off(keep) {
+                    plain.free(s);
+                    padded.free(s);
+                }
+                let toks: Vec<(usize, u32)> = live
+                    .iter()
+                    .map(|&s| (s, ((s * 31 + round * 17) % vocab) as u32))
+                    .collect();
+                let want = model.decode(&toks, &mut plain)?;
+                let got = model.decode_graphed(&toks, &mut padded, &mut graphs)?;
+                steps += 1;
+                assert_eq!(got.dims(), want.dims(), "{case} round {round}");
+                let err = max_row_err(&got, &want)?;
+                assert!(
+                    err <= tol,
+                    "{case} {dtype:?} round {round} ({keep} sequences): err {err}"
+                );
+                for &s in &live {
+                    assert_eq!(padded.seq_len(s), plain.seq_len(s), "{case} slot {s}");
+                }
+            }
+            // On the CPU nothing is captured: every step ran the padded forward eagerly.
+            assert_eq!(
+                (graphs.stats.eager, graphs.stats.captures, graphs.live()),
+                (steps, 0, 0)
+            );
+        }
+    }
+    assert_eq!(
+        [1, 2, 3, 5, 8, 9, 16, 17, 64, 250, 256, 257, 300].map(graph_batch),
+        [1, 2, 4, 8, 8, 16, 16, 24, 64, 256, 256, 288, 320]
+    );
+    Ok(())
+}
