@@ -573,20 +573,27 @@ __device__ __forceinline__ unsigned long long vime_mix64(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
+// Grid (rows, splits): block (row, s) covers the vocabulary slice [s * chunk, (s + 1) * chunk).
+// With one split it writes the token (and log-prob); with more, its partial (best key, its index,
+// running max and sum of exp) to part_* [rows, splits], which vime_sample_gumbel_merge combines.
+// The argmax (ties to the lower index) is exact whatever the split; the log-sum-exp is reordered.
 extern "C" __global__ void __launch_bounds__(256)
     vime_sample_gumbel(const float* __restrict__ logits, int vocab, const unsigned long long* __restrict__ seeds,
                        const unsigned long long* __restrict__ counters, const float* __restrict__ inv_t,
-                       unsigned int* __restrict__ out, float* __restrict__ logprob) {
+                       unsigned int* __restrict__ out, float* __restrict__ logprob, int chunk,
+                       float* __restrict__ part_key, int* __restrict__ part_idx, float* __restrict__ part_m,
+                       float* __restrict__ part_se) {
     // With `logprob` (may be null): also the log-softmax of the raw logits (temperature 1) at the
     // sampled token, from the same pass: each thread keeps a running max and sum of exp.
-    const int row = blockIdx.x;
+    const int row = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
     const float* x = logits + (size_t)row * vocab;
     const float it = inv_t[row];
     const unsigned long long base = vime_mix64(seeds[row] + counters[row] * 0x9E3779B97F4A7C15ULL);
+    const int lo = split * chunk, hi = min(lo + chunk, vocab);
     float best = -INFINITY;
     int bi = 0x7fffffff;
     float m = -INFINITY, se = 0.f;
-    for (int j = threadIdx.x; j < vocab; j += 256) {
+    for (int j = lo + threadIdx.x; j < hi; j += 256) {
         const float z = x[j];
         float key = z;
         if (it != 0.f) {
@@ -633,9 +640,61 @@ extern "C" __global__ void __launch_bounds__(256)
         __syncthreads();
     }
     if (threadIdx.x == 0) {
+        if (nsplit > 1) {
+            const size_t pi = (size_t)row * nsplit + split;
+            part_key[pi] = sk[0];
+            part_idx[pi] = si[0];
+            part_m[pi] = smx[0];
+            part_se[pi] = ssum[0];
+            return;
+        }
         const unsigned int tok = si[0] == 0x7fffffff ? 0u : (unsigned int)si[0];
         out[row] = tok;
         if (logprob != nullptr) logprob[row] = x[tok] - (smx[0] + logf(ssum[0]));
+    }
+}
+
+// Merges vime_sample_gumbel's splits: one 32-thread block per row.
+extern "C" __global__ void __launch_bounds__(32)
+    vime_sample_gumbel_merge(const float* __restrict__ logits, int vocab, int nsplit,
+                             const float* __restrict__ part_key, const int* __restrict__ part_idx,
+                             const float* __restrict__ part_m, const float* __restrict__ part_se,
+                             unsigned int* __restrict__ out, float* __restrict__ logprob) {
+    const int row = blockIdx.x, lane = threadIdx.x;
+    float best = -INFINITY, m = -INFINITY, se = 0.f;
+    int bi = 0x7fffffff;
+    for (int s = lane; s < nsplit; s += 32) {
+        const size_t pi = (size_t)row * nsplit + s;
+        const float k = part_key[pi];
+        const int i = part_idx[pi];
+        if (k > best || (k == best && i < bi)) {
+            best = k;
+            bi = i;
+        }
+        const float pm = part_m[pi], mm = fmaxf(m, pm);
+        if (mm > -INFINITY) {
+            se = se * expf(m - mm) + part_se[pi] * expf(pm - mm);
+            m = mm;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ok = __shfl_down_sync(0xffffffffu, best, o);
+        const int oi = __shfl_down_sync(0xffffffffu, bi, o);
+        if (ok > best || (ok == best && oi < bi)) {
+            best = ok;
+            bi = oi;
+        }
+        const float om = __shfl_down_sync(0xffffffffu, m, o), os = __shfl_down_sync(0xffffffffu, se, o);
+        const float mm = fmaxf(m, om);
+        if (mm > -INFINITY) {
+            se = se * expf(m - mm) + os * expf(om - mm);
+            m = mm;
+        }
+    }
+    if (lane == 0) {
+        const unsigned int tok = bi == 0x7fffffff ? 0u : (unsigned int)bi;
+        out[row] = tok;
+        if (logprob != nullptr) logprob[row] = logits[(size_t)row * vocab + tok] - (m + logf(se));
     }
 }
 

@@ -799,35 +799,40 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
 }
 
 fn check_sample_gumbel(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    let (rows, vocab) = (256usize, 151_936usize);
-    let logits = rng.randn(&[rows, vocab], 3.0, DType::F32, &Device::Cpu)?;
-    let seeds: Vec<u64> = (0..rows as u64).map(|r| r * 7919 + 1).collect();
-    let counters: Vec<u64> = (0..rows as u64).map(|r| r % 13).collect();
-    let inv_t: Vec<f32> = (0..rows).map(|r| [0.0, 1.0 / 0.7, 1.0][r % 3]).collect();
-    let (want, want_lp) = vime_kernels::sample::sample_gumbel_logprobs(&logits, &seeds, &counters, &inv_t)?;
-    let (got, got_lp) =
-        vime_kernels::sample::sample_gumbel_logprobs(&logits.to_device(gpu)?, &seeds, &counters, &inv_t)?;
-    let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
-    let greedy_differ = want.iter().zip(&got).step_by(3).filter(|(a, b)| a != b).count();
-    // Log-probs where both sides drew the same token: f32 on the device, f64 sums on the host.
-    let lp_err = want
-        .iter()
-        .zip(&got)
-        .zip(want_lp.iter().zip(&got_lp))
-        .filter(|((a, b), _)| a == b)
-        .map(|(_, (x, y))| (x - y).abs())
-        .fold(0f32, f32::max);
-    let ok = differ <= 1 && greedy_differ == 0 && lp_err <= 1e-4;
-    println!(
-        "{:<26} {:<52} rows where cuda != cpu: {differ} (greedy rows: {greedy_differ}), log-prob max err {lp_err:.1e}  {}",
-        "sample_gumbel",
-        format!("[{rows}, {vocab}] f32, T 0 / 0.7 / 1"),
-        if ok { "ok" } else { "FAIL" }
-    );
-    if !ok {
-        failures.push(format!(
-            "sample_gumbel: {differ} rows differ ({greedy_differ} greedy), log-prob err {lp_err:e}"
-        ));
+    // 1 and 64 rows split the vocabulary over many blocks (then merge), 256 over a few, 2000
+    // not at all: every path of the kernel.
+    for rows in [1usize, 64, 256, 2000] {
+        let vocab = 151_936usize;
+        let logits = rng.randn(&[rows, vocab], 3.0, DType::F32, &Device::Cpu)?;
+        let seeds: Vec<u64> = (0..rows as u64).map(|r| r * 7919 + 1).collect();
+        let counters: Vec<u64> = (0..rows as u64).map(|r| r % 13).collect();
+        let inv_t: Vec<f32> = (0..rows).map(|r| [0.0, 1.0 / 0.7, 1.0][r % 3]).collect();
+        let (want, want_lp) = vime_kernels::sample::sample_gumbel_logprobs(&logits, &seeds, &counters, &inv_t)?;
+        let (got, got_lp) =
+            vime_kernels::sample::sample_gumbel_logprobs(&logits.to_device(gpu)?, &seeds, &counters, &inv_t)?;
+        let differ = want.iter().zip(&got).filter(|(a, b)| a != b).count();
+        let greedy_differ = want.iter().zip(&got).step_by(3).filter(|(a, b)| a != b).count();
+        // Log-probs where both sides drew the same token: f32 on the device, f64 sums on the host.
+        let lp_err = want
+            .iter()
+            .zip(&got)
+            .zip(want_lp.iter().zip(&got_lp))
+            .filter(|((a, b), _)| a == b)
+            .map(|(_, (x, y))| (x - y).abs())
+            .fold(0f32, f32::max);
+        // A drawn token may differ where two noisy keys tie to f32 rounding: at most 1 row in 256.
+        let ok = differ <= rows.div_ceil(256) && greedy_differ == 0 && lp_err <= 1e-4;
+        println!(
+            "{:<26} {:<52} rows where cuda != cpu: {differ} (greedy rows: {greedy_differ}), log-prob max err {lp_err:.1e}  {}",
+            "sample_gumbel",
+            format!("[{rows}, {vocab}] f32, T 0 / 0.7 / 1"),
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            failures.push(format!(
+                "sample_gumbel {rows} rows: {differ} rows differ ({greedy_differ} greedy), log-prob err {lp_err:e}"
+            ));
+        }
     }
     Ok(())
 }
