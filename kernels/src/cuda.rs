@@ -1634,10 +1634,13 @@ impl DeviceGraph {
 /// cannot do. `f` must be the same work both times, must not read results back to the host,
 /// and must drop every tensor it creates except those it writes into buffers that outlive it:
 /// a graph owns the memory allocated inside it, and all of it is freed inside it.
+///
+/// The outer error is the first run's; the inner one says why there is no graph (the work is
+/// done either way, so a caller can go on without graphs).
 pub fn run_and_capture<R, E: From<candle_core::Error>>(
     device: &candle_core::Device,
     mut f: impl FnMut() -> std::result::Result<R, E>,
-) -> std::result::Result<(R, DeviceGraph), E> {
+) -> std::result::Result<(R, std::result::Result<DeviceGraph, E>), E> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let dev = match device {
         candle_core::Device::Cuda(d) => d.clone(),
@@ -1646,15 +1649,18 @@ pub fn run_and_capture<R, E: From<candle_core::Error>>(
     let _cache = dev.enable_cuda_graph_htod_cache();
     let out = f()?;
     let stream = dev.cuda_stream();
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .w()?;
-    let captured = f().map(drop);
-    // End the capture whatever happened, so that the stream is usable again.
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
-    captured?;
-    let graph = graph
-        .w()?
-        .ok_or_else(|| candle_core::Error::Msg("run_and_capture: the capture recorded nothing".into()))?;
-    Ok((out, DeviceGraph { graph }))
+    let graph = (|| -> std::result::Result<DeviceGraph, E> {
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .w()?;
+        let captured = f().map(drop);
+        // End the capture whatever happened, so that the stream is usable again.
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = graph
+            .w()?
+            .ok_or_else(|| candle_core::Error::Msg("run_and_capture: the capture recorded nothing".into()))?;
+        Ok(DeviceGraph { graph })
+    })();
+    Ok((out, graph))
 }

@@ -952,6 +952,7 @@ fn check_graph_replay(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
     let (k0, v0) = (kp.copy()?, vp.copy()?);
     let (pos, cu, plan) = load(0, &xs[0])?;
     let ((), graph) = run_and_capture(gpu, || chain(&pos, &cu, plan))?;
+    let graph = graph?;
     let mut replayed = vec![out.to_device(&Device::Cpu)?];
     for (s, x) in xs.iter().enumerate().skip(1) {
         let (_pos, _cu, p) = load(s, x)?;

@@ -581,12 +581,21 @@ impl Qwen3 {
                     g.launch()?;
                     graphs.stats.replays += 1;
                 }
-                None => {
-                    let ((), g) = vime_kernels::cuda::run_and_capture(&dev, body)
-                        .with_context(|| format!("capturing the decode step of {bp} sequences as a CUDA graph"))?;
-                    bucket.graph = Some(g);
-                    graphs.stats.captures += 1;
-                }
+                None => match vime_kernels::cuda::run_and_capture(&dev, body)? {
+                    ((), Ok(g)) => {
+                        bucket.graph = Some(g);
+                        graphs.stats.captures += 1;
+                    }
+                    ((), Err(e)) => {
+                        // The step ran; go on without graphs rather than fail the rollout.
+                        eprintln!(
+                            "vime: capturing the decode step of {bp} sequences as a CUDA graph failed, \
+                             decoding without graphs: {e:#}"
+                        );
+                        graphs.enabled = false;
+                        graphs.stats.eager += 1;
+                    }
+                },
             }
         } else {
             body()?;
