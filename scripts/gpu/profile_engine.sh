@@ -50,7 +50,7 @@ timeout "$NCU_TIMEOUT" "$NCU" --metrics gpu__time_duration.sum --clock-control n
   "$BIN" $(run echo) > "$OUT/ncu-engine-$tag.csv" 2> "$OUT/ncu-engine-$tag.err"
 echo "ncu exit $?" | tee -a "$LOG"
 tail -2 "$OUT/ncu-engine-$tag.err" | tee -a "$LOG"
-python3 scripts/gpu/kernel_classes.py "$OUT/ncu-engine-$tag.csv" --skip-until vime_sample_gumbel \
-  --per vime_sample_gumbel --top 20 2>&1 | tee -a "$LOG"
+python3 scripts/gpu/kernel_classes.py "$OUT/ncu-engine-$tag.csv" --skip-until 'vime_sample_gumbel(?!_merge)' \
+  --per 'vime_sample_gumbel(?!_merge)' --top 20 2>&1 | tee -a "$LOG"
 xz -T4 -6 -f "$OUT/ncu-engine-$tag.csv"
 rm -rf "$W"
