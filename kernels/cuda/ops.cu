@@ -721,18 +721,21 @@ extern "C" __global__ void vime_rows_write_bf16(bf16* __restrict__ pool, const b
 // vime_rope's on the rounded values, so the result equals the two kernels bit for bit
 // (kernels/tests/cuda_vs_cpu.rs checks it).
 // ------------------------------------------------------------------------------------------------
+// q_stride / k_stride: elements from one token's heads to the next (hq * 128 and hk * 128 for
+// contiguous inputs; the fused q|k|v row width when q and k are views of one projection).
 extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                              const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                              const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
                                              bf16* __restrict__ ko, int t, int hq, int hk, float eps,
-                                             float theta) {
+                                             float theta, long long q_stride, long long k_stride) {
     const int d = 128, half = 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows = t * (hq + hk);
     for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
         const int tok = r / (hq + hk), hh = r % (hq + hk);
         const bool is_q = hh < hq;
-        const bf16* xr = is_q ? q + ((size_t)tok * hq + hh) * d : k + ((size_t)tok * hk + (hh - hq)) * d;
+        const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
+                              : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
         bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
         const bf16* w = is_q ? wq : wk;
         float xv[4];
@@ -765,16 +768,32 @@ extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const b
 }
 
 // The KV cache's append of one layer, K and V in one launch: pool_k[rows[r]] = src_k[r] and
-// pool_v[rows[r]] = src_v[r] (as vime_rows_write_bf16, twice).
+// pool_v[rows[r]] = src_v[r] (as vime_rows_write_bf16, twice). Source rows are sk_stride /
+// sv_stride elements apart (width when contiguous; wider when a source is a view of the fused
+// q|k|v projection).
 extern "C" __global__ void vime_rows_write2_bf16(bf16* __restrict__ pk, bf16* __restrict__ pv,
                                                  const bf16* __restrict__ sk, const bf16* __restrict__ sv,
                                                  const unsigned int* __restrict__ rows, unsigned long long n,
-                                                 int width) {
+                                                 int width, long long sk_stride, long long sv_stride) {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < 2 * n; i += stride) {
         const bool is_v = i >= n;
         const unsigned long long e = is_v ? i - n : i;
         const unsigned long long r = e / width, c = e % width;
-        (is_v ? pv : pk)[(unsigned long long)rows[r] * width + c] = (is_v ? sv : sk)[e];
+        const bf16 x = is_v ? sv[r * sv_stride + c] : sk[r * sk_stride + c];
+        (is_v ? pv : pk)[(unsigned long long)rows[r] * width + c] = x;
+    }
+}
+
+// SwiGLU of the fused gate|up projection: y[r, c] = swiglu(gu[r, c], gu[r, inter + c]) for
+// gu [t, 2 * inter] -> y [t, inter]; the same arithmetic as vime_swiglu_fwd, so the same bits.
+extern "C" __global__ void vime_swiglu_packed(const bf16* __restrict__ gu, bf16* __restrict__ y, size_t t,
+                                              int inter) {
+    const size_t n = t * (size_t)inter;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const size_t r = i / inter, c = i % inter;
+        const bf16* row = gu + r * 2 * (size_t)inter;
+        y[i] = __float2bfloat16(swiglu_f(__bfloat162float(row[c]), __bfloat162float(row[inter + c])));
     }
 }

@@ -1528,12 +1528,15 @@ pub(crate) fn qk_norm_rope(
             (None, Some(p)) => slice_addr(&**p, &dev),
             (None, None) => unreachable!("uploaded above"),
         };
+        let (q, qs) = head_rows(q)?;
+        let (k, ks) = head_rows(k)?;
         let (qp, kp, wqp, wkp) = (
-            tensor_addr::<bf16>(q, "qk_norm_rope")?,
-            tensor_addr::<bf16>(k, "qk_norm_rope")?,
+            tensor_addr::<bf16>(&q, "qk_norm_rope")?,
+            tensor_addr::<bf16>(&k, "qk_norm_rope")?,
             tensor_addr::<bf16>(wq, "qk_norm_rope")?,
             tensor_addr::<bf16>(wk, "qk_norm_rope")?,
         );
+        let (qs, ks) = (qs as i64, ks as i64);
         let (qop, kop) = (slice_addr(&qo, &dev), slice_addr(&ko, &dev));
         let (t_i, hq_i, hk_i) = (i32_of("qk_norm_rope", "tokens", t)?, hq as i32, hk as i32);
         let (eps_f, theta_f) = (eps as f32, theta as f32);
@@ -1544,7 +1547,7 @@ pub(crate) fn qk_norm_rope(
             dev,
             f,
             cfg(grid, (32 * RMSW_WARPS) as u32),
-            [&qp, &kp, &wqp, &wkp, &pp, &qop, &kop, &t_i, &hq_i, &hk_i, &eps_f, &theta_f]
+            [&qp, &kp, &wqp, &wkp, &pp, &qop, &kop, &t_i, &hq_i, &hk_i, &eps_f, &theta_f, &qs, &ks]
         );
     }
     Ok((
@@ -1561,27 +1564,83 @@ pub fn rows_write2(k_pool: &Tensor, v_pool: &Tensor, k: &Tensor, v: &Tensor, row
         _ => bail!("rows_write2: the pools must be on a CUDA device"),
     };
     check_bf16("rows_write2", &[k_pool.dtype(), v_pool.dtype(), k.dtype(), v.dtype()])?;
-    let (n, width) = k.dims2()?;
+    let (k, n, width, k_stride) = pool_rows(k)?;
+    let (v, nv, wv, v_stride) = pool_rows(v)?;
+    if (nv, wv) != (n, width) || k_pool.dims2()?.1 != width {
+        bail!(
+            "rows_write2: pool {:?}, sources of {n} x {width} and {nv} x {wv}",
+            k_pool.dims()
+        );
+    }
     if n == 0 {
         return Ok(());
     }
     let (pk, pv, sk, sv) = (
         tensor_addr::<bf16>(k_pool, "rows_write2")?,
         tensor_addr::<bf16>(v_pool, "rows_write2")?,
-        tensor_addr::<bf16>(k, "rows_write2")?,
-        tensor_addr::<bf16>(v, "rows_write2")?,
+        tensor_addr::<bf16>(&k, "rows_write2")?,
+        tensor_addr::<bf16>(&v, "rows_write2")?,
     );
     let rp = tensor_addr::<u32>(rows, "rows_write2")?;
     let total = (n * width) as u64;
     let w = width as i32;
+    let (ks, vs) = (k_stride as i64, v_stride as i64);
     let f = ops_fn(&dev, "vime_rows_write2_bf16")?;
     launch!(
         dev,
         f,
         cfg(grid_for(2 * n * width, 256), 256),
-        [&pk, &pv, &sk, &sv, &rp, &total, &w]
+        [&pk, &pv, &sk, &sv, &rp, &total, &w, &ks, &vs]
     );
     Ok(())
+}
+
+/// `t` as rows the kernels can read in place: `[n, h, d]` with strides `(s, d, 1)` (a view of
+/// heads within wider rows, e.g. of the fused q|k|v projection) gives itself and `s`; any other
+/// layout a contiguous copy and `h * d`.
+fn head_rows(t: &Tensor) -> Result<(Tensor, usize)> {
+    let (_, h, d) = t.dims3()?;
+    let st = t.stride();
+    if st[2] == 1 && (st[1] == d || h == 1) {
+        return Ok((t.clone(), st[0]));
+    }
+    Ok((t.contiguous()?, h * d))
+}
+
+/// `t` (`[n, width]`, or `[n, h, d]` as `[n, h x d]`) as rows of `width` elements `stride`
+/// apart: in place when each row is contiguous, else a contiguous copy.
+fn pool_rows(t: &Tensor) -> Result<(Tensor, usize, usize, usize)> {
+    let st = t.stride().to_vec();
+    match *t.dims() {
+        [n, w] if st[1] == 1 => Ok((t.clone(), n, w, st[0])),
+        [n, h, d] if st[2] == 1 && (st[1] == d || h == 1) => Ok((t.clone(), n, h * d, st[0])),
+        [n, ref rest @ ..] => {
+            let w: usize = rest.iter().product();
+            Ok((t.contiguous()?, n, w, w))
+        }
+        [] => bail!("rows_write2: a scalar source"),
+    }
+}
+
+/// [`crate::swiglu::swiglu_packed`] on the device: `gu: [t, 2 x inter]` bf16, contiguous.
+pub fn swiglu_packed(gu: &Tensor) -> Result<Tensor> {
+    let dev = match gu.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("swiglu_packed: gu must be on a CUDA device"),
+    };
+    check_bf16("swiglu_packed", &[gu.dtype()])?;
+    let gu = gu.contiguous()?;
+    let (t, two) = gu.dims2()?;
+    let inter = two / 2;
+    // Safety: the kernel writes every element.
+    let y = unsafe { dev.alloc::<bf16>((t * inter).max(1))? };
+    if t * inter > 0 {
+        let (gp, yp) = (tensor_addr::<bf16>(&gu, "swiglu_packed")?, slice_addr(&y, &dev));
+        let (t_u, i_i) = (t, i32_of("swiglu_packed", "intermediate", inter)?);
+        let f = ops_fn(&dev, "vime_swiglu_packed")?;
+        launch!(dev, f, cfg(grid_for(t * inter, 256), 256), [&gp, &yp, &t_u, &i_i]);
+    }
+    Ok(device_tensor(y, &dev, (t, inter)))
 }
 
 /// Writes `src` into the contiguous u32 device tensor `dst` from element `offset`, on its

@@ -54,7 +54,7 @@ pub use lm_head::{logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_
 pub use real::Real;
 pub use rmsnorm::{rms_norm, rms_norm_backward};
 pub use rope::{rope, rope_backward};
-pub use swiglu::{swiglu, swiglu_backward};
+pub use swiglu::{swiglu, swiglu_backward, swiglu_packed};
 pub use vjp::vjp_seed;
 
 /// Readies a device that vime drives: on CUDA, [`cuda::keep_pool_memory`] and

@@ -90,9 +90,10 @@ pub fn qk_norm_rope(
                 positions.len()
             );
         }
+        // q and k may be head views of wider rows (the fused q|k|v projection): read in place.
         return crate::cuda::qk_norm_rope(
-            &q.contiguous()?,
-            &k.contiguous()?,
+            q,
+            k,
             &wq.contiguous()?,
             &wk.contiguous()?,
             positions,

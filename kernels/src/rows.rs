@@ -28,7 +28,8 @@ pub fn write_rows(pool: &Tensor, rows: &Tensor, src: &Tensor) -> Result<()> {
 }
 
 /// [`write_rows`] of a layer's keys and values into their two pools at the same rows (on CUDA
-/// bf16 one launch for both).
+/// bf16 one launch for both, reading each source row in place even when the rows are views of
+/// wider rows). `k, v`: `[n, width]`, or `[n, heads, head_dim]` read as `[n, width]`.
 pub fn write_rows2(k_pool: &Tensor, v_pool: &Tensor, rows: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
     if k_pool.dims() != v_pool.dims() || k.dims() != v.dims() {
         bail!(
@@ -39,20 +40,24 @@ pub fn write_rows2(k_pool: &Tensor, v_pool: &Tensor, rows: &Tensor, k: &Tensor, 
             v.dims()
         );
     }
+    let n = k.dim(0)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let width = k.elem_count() / n;
+    if k_pool.dims2()?.1 != width || rows.dims1()? != n || rows.dtype() != DType::U32 {
+        bail!(
+            "write_rows2: pool {:?}, rows {:?} {:?}, src {:?}",
+            k_pool.dims(),
+            rows.dims(),
+            rows.dtype(),
+            k.dims()
+        );
+    }
     #[cfg(feature = "cuda")]
     if crate::cuda::fused(k_pool.device(), k_pool.dtype()) {
-        let (n, width) = k.dims2()?;
-        if k_pool.dims2()?.1 != width || rows.dims1()? != n || rows.dtype() != DType::U32 {
-            bail!(
-                "write_rows2: pool {:?}, rows {:?} {:?}, src {:?}",
-                k_pool.dims(),
-                rows.dims(),
-                rows.dtype(),
-                k.dims()
-            );
-        }
-        return crate::cuda::rows_write2(k_pool, v_pool, &k.contiguous()?, &v.contiguous()?, rows);
+        return crate::cuda::rows_write2(k_pool, v_pool, k, v, rows);
     }
-    write_rows(k_pool, rows, k)?;
-    write_rows(v_pool, rows, v)
+    write_rows(k_pool, rows, &k.contiguous()?.reshape((n, width))?)?;
+    write_rows(v_pool, rows, &v.contiguous()?.reshape((n, width))?)
 }

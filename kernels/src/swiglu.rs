@@ -22,6 +22,22 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
 }
 
+/// Inference only: [`swiglu`] of the two halves of a fused gate|up projection `gu: [t, 2 x I]`
+/// (gate the first `I` columns, up the last), `[t, I]`. On CUDA bf16 one kernel reading `gu` in
+/// place with the same arithmetic as [`swiglu`]'s (the same bits); elsewhere [`swiglu`] of the
+/// two halves.
+pub fn swiglu_packed(gu: &Tensor) -> Result<Tensor> {
+    let (_, two) = gu.dims2()?;
+    if two % 2 != 0 {
+        bail!("swiglu_packed: {two} columns do not split into gate and up halves");
+    }
+    #[cfg(feature = "cuda")]
+    if crate::fused_cuda(gu.device(), gu.dtype()) {
+        return crate::cuda::swiglu_packed(gu);
+    }
+    swiglu(&gu.narrow(1, 0, two / 2)?, &gu.narrow(1, two / 2, two / 2)?)
+}
+
 /// The backward of [`swiglu`] without autograd: `(d_gate, d_up)` for the upstream gradient `dy`.
 /// Where no kernel exists, the composed op's autograd on leaf copies of `gate` and `up`.
 pub fn swiglu_backward(gate: &Tensor, up: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {

@@ -795,6 +795,58 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     if diff != 0.0 {
         failures.push(format!("write_rows2: max abs diff {diff:e}"));
     }
+    // The fused-projection path: q, k, v as head views of one [t, (hq + 2 hk) x 128] row (read in
+    // place by qk_norm_rope and write_rows2), gate|up as one [t, 2 I] row (swiglu_packed): the
+    // same bits as the separate contiguous tensors.
+    let qkv = rng.randn(&[t, hq + 2 * hk, d], 1.0, DType::BF16, gpu)?;
+    let (qv, kv, vv) = (
+        qkv.narrow(1, 0, hq)?,
+        qkv.narrow(1, hq, hk)?,
+        qkv.narrow(1, hq + hk, hk)?,
+    );
+    let (aq, ak) = vime_kernels::rope::qk_norm_rope(&qv, &kv, &g(&wq)?, &g(&wk)?, eps, &pos, None, theta)?;
+    let (bq, bk) = vime_kernels::rope::qk_norm_rope(
+        &qv.contiguous()?,
+        &kv.contiguous()?,
+        &g(&wq)?,
+        &g(&wk)?,
+        eps,
+        &pos,
+        None,
+        theta,
+    )?;
+    let rows_t: Vec<u32> = (0..t as u32).map(|r| (r * 7 + 1) % 4096).collect();
+    let rows_g = Tensor::from_vec(rows_t, t, gpu)?;
+    let pool = |x: &Tensor| -> Result<Tensor> { x.copy() };
+    let base = rng.randn(&[4096, hk * d], 1.0, DType::BF16, gpu)?;
+    let (k1, v1, k2, v2) = (pool(&base)?, pool(&base)?, pool(&base)?, pool(&base)?);
+    vime_kernels::rows::write_rows2(&k1, &v1, &rows_g, &ak, &vv)?;
+    vime_kernels::rows::write_rows2(&k2, &v2, &rows_g, &bk, &vv.contiguous()?.reshape((t, hk * d))?)?;
+    let inter = 3072usize;
+    let gu = rng.randn(&[t, 2 * inter], 1.0, DType::BF16, gpu)?;
+    let packed = vime_kernels::swiglu_packed(&gu)?;
+    let split = vime_kernels::swiglu(
+        &gu.narrow(1, 0, inter)?.contiguous()?,
+        &gu.narrow(1, inter, inter)?.contiguous()?,
+    )?;
+    let diff = [
+        max_diff(&aq, &bq)?,
+        max_diff(&ak, &bk)?,
+        max_diff(&k1, &k2)?,
+        max_diff(&v1, &v2)?,
+        max_diff(&packed, &split)?,
+    ]
+    .into_iter()
+    .fold(0f32, f32::max);
+    println!(
+        "{:<26} {:<52} max |views - contiguous| {diff:e}  {}",
+        "fused qkv / gate-up views",
+        format!("qkv [{t}, {}, {d}], gate|up [{t}, {}]", hq + 2 * hk, 2 * inter),
+        if diff == 0.0 { "ok" } else { "FAIL" }
+    );
+    if diff != 0.0 {
+        failures.push(format!("fused projection views: max abs diff {diff:e}"));
+    }
     Ok(())
 }
 

@@ -435,10 +435,28 @@ impl Block {
         let h1_local = rms_norm(x, &dw(&self.input_norm), eps)?;
         let h1 = sp_gather(ctx, tp, h1_local.clone())?;
         let t = h1.dim(0)?;
-        // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
-        let q = linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?;
-        let k = linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let v = linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        // Inference with fused weights (`crate::infer::DecodeWeights`): q|k|v and gate|up as one
+        // GEMM each, the kernels below reading their heads and halves in place.
+        let fused = match attention {
+            Attention::Cached { rows, .. } => rows.fused_layer(self.index),
+            _ => None,
+        };
+        let (q, k, v) = if let Some((wqkv, _)) = fused {
+            let (hq, hkv) = (ctx.q_heads, ctx.kv_heads);
+            let qkv = h1.matmul(&wqkv.t()?)?.reshape((t, hq + 2 * hkv, d))?;
+            (
+                qkv.narrow(1, 0, hq)?,
+                qkv.narrow(1, hq, hkv)?,
+                qkv.narrow(1, hq + hkv, hkv)?,
+            )
+        } else {
+            // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
+            (
+                linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
+                linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+            )
+        };
         let (qr, kr) = if let Attention::Cached { rows, .. } = attention {
             // Decoding: the four norm/rope kernels as one launch (the same bits).
             let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
@@ -464,6 +482,17 @@ impl Block {
         let x2 = (x + o)?;
         let h2_local = rms_norm(&x2, &dw(&self.post_norm), eps)?;
         let h2 = sp_gather(ctx, tp, h2_local.clone())?;
+        if let Some((_, wgu)) = fused {
+            if keep != Keep::Nothing {
+                bail!(
+                    "layer {}: fused inference weights keep nothing for a backward",
+                    self.index
+                );
+            }
+            let act = vime_kernels::swiglu_packed(&h2.matmul(&wgu.t()?)?)?;
+            let y = (&x2 + sp_reduce(ctx, tp, linear(&act, &self.down_proj, None)?)?)?;
+            return Ok((y, Kept::Nothing));
+        }
         // Column-parallel gate/up (this rank's share of the intermediate size).
         let gate = linear(&h2, &self.gate_proj, None)?;
         let up = linear(&h2, &self.up_proj, None)?;

@@ -89,11 +89,41 @@ pub(crate) struct CallRows {
     /// The new tokens' positions on the device (a captured graph's input buffer); `None`: the
     /// kernels upload the host positions.
     positions: Option<Tensor>,
+    /// The layers' fused projections, when the caller has them.
+    fused: Option<DecodeWeights>,
 }
 
 impl CallRows {
     pub(crate) fn positions_dev(&self) -> Option<&Tensor> {
         self.positions.as_ref()
+    }
+
+    pub(crate) fn fused_layer(&self, layer: usize) -> Option<&(Tensor, Tensor)> {
+        self.fused.as_ref().and_then(|f| f.layers.get(layer))
+    }
+}
+
+/// Each layer's q|k|v projections as one `[q + 2 kv heads x head_dim, hidden]` weight and its
+/// gate|up projections as one `[2 x intermediate, hidden]` ([`Qwen3::decode_weights`]): one GEMM
+/// each instead of three and two, which at decode batch sizes are small and memory-bound. A copy
+/// of those weights (about 3/4 of a layer's bytes), made from the model's current values: make it
+/// again after the weights change.
+#[derive(Clone)]
+pub struct DecodeWeights {
+    layers: Arc<Vec<(Tensor, Tensor)>>,
+}
+
+impl DecodeWeights {
+    /// Bytes the fused copies hold.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|(a, b)| (a.elem_count() + b.elem_count()) * a.dtype().size_in_bytes())
+            .sum()
+    }
+
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.layers) as usize
     }
 }
 
@@ -259,6 +289,7 @@ impl KvCache {
             read: Tensor::from_vec(read, nr, &self.device)?,
             decode,
             positions: None,
+            fused: None,
         })
     }
 
@@ -288,17 +319,13 @@ impl KvCache {
     }
 
     fn append(&self, layer: usize, rows: &CallRows, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (t, width) = (k.dim(0)?, self.num_kv_heads * self.head_dim);
-        let (k, v) = (
-            k.contiguous()?.reshape((t, width))?,
-            v.contiguous()?.reshape((t, width))?,
-        );
+        // `[T, kv_heads, d]`, possibly head views of the fused projection: written in place.
         Ok(vime_kernels::rows::write_rows2(
             &self.k[layer],
             &self.v[layer],
             &rows.write,
-            &k,
-            &v,
+            k,
+            v,
         )?)
     }
 
@@ -421,6 +448,30 @@ impl Qwen3 {
         Ok(rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?)
     }
 
+    /// The fused q|k|v and gate|up weights of every layer ([`DecodeWeights`]) for
+    /// [`Self::decode_graphed`]; `None` for models with attention biases (not fused).
+    pub fn decode_weights(&self) -> Result<Option<DecodeWeights>> {
+        if self
+            .blocks
+            .iter()
+            .any(|b| b.q_bias.is_some() || b.k_bias.is_some() || b.v_bias.is_some())
+        {
+            return Ok(None);
+        }
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| -> Result<(Tensor, Tensor)> {
+                let qkv = Tensor::cat(&[w(&b.q_proj, false), w(&b.k_proj, false), w(&b.v_proj, false)], 0)?;
+                let gu = Tensor::cat(&[w(&b.gate_proj, false), w(&b.up_proj, false)], 0)?;
+                Ok((qkv, gu))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(DecodeWeights {
+            layers: Arc::new(layers),
+        }))
+    }
+
     /// Prefill: runs each `(slot, prompt)` (slots empty or continuing) and returns the
     /// final-normed hidden state of each sequence's last token, `[num_sequences, hidden]`.
     pub fn prefill(&self, seqs: &[(usize, &[u32])], cache: &mut KvCache) -> Result<Tensor> {
@@ -481,6 +532,7 @@ impl Qwen3 {
         steps: &[(usize, u32)],
         cache: &mut KvCache,
         graphs: &mut DecodeGraphs,
+        fused: Option<&DecodeWeights>,
     ) -> Result<Tensor> {
         let toks: Vec<[u32; 1]> = steps.iter().map(|&(_, t)| [t]).collect();
         let seqs: Vec<(usize, &[u32])> = steps.iter().zip(&toks).map(|(&(s, _), t)| (s, &t[..])).collect();
@@ -520,7 +572,7 @@ impl Qwen3 {
         let plan = vime_kernels::decode::SplitPlan::fixed(bp, cache.num_kv_heads, max_len);
         let meta = plan.device_meta(&cu_k);
 
-        let model_id = self.embed.as_tensor().id();
+        let model_id = (self.embed.as_tensor().id(), fused.map_or(0, DecodeWeights::id));
         graphs.start(model_id, cache, read.len())?;
         let dev = self.device().clone();
         graphs.front_bucket(bp, c.hidden_size, self.dtype(), &dev)?;
@@ -550,6 +602,7 @@ impl Qwen3 {
                 read: read_buf.clone(),
                 decode: Some((meta_t.clone(), plan)),
                 positions: Some(pos_t.clone()),
+                fused: fused.cloned(),
             };
             let attention = Attention::Cached {
                 cache: cache_ref,
@@ -691,8 +744,8 @@ struct GraphBucket {
 /// thread that captured it (keep one per generate call).
 pub struct DecodeGraphs {
     enabled: bool,
-    /// (model, cache, cache generation) the graphs were captured for.
-    owner: Option<(candle_core::TensorId, u64, u64)>,
+    /// ((model, fused weights), cache, cache generation) the graphs were captured for.
+    owner: Option<((candle_core::TensorId, usize), u64, u64)>,
     /// The rows every sequence reads, `[capacity]` u32, shared by the buckets.
     read: Option<Tensor>,
     buckets: Vec<GraphBucket>,
@@ -732,7 +785,7 @@ impl DecodeGraphs {
 
     /// Drops everything captured unless it was for this model, cache and pool; makes the read
     /// buffer hold at least `reads` rows.
-    fn start(&mut self, model: candle_core::TensorId, cache: &KvCache, reads: usize) -> Result<()> {
+    fn start(&mut self, model: (candle_core::TensorId, usize), cache: &KvCache, reads: usize) -> Result<()> {
         let owner = Some((model, cache.uid, cache.generation));
         let fits = self.read.as_ref().is_some_and(|r| r.elem_count() >= reads);
         if self.owner != owner || !fits {

@@ -214,13 +214,27 @@ fn bad_calls_are_refused() -> Result<()> {
 /// The padded decode of the CUDA-graph path ([`Qwen3::decode_graphed`], run eagerly on the CPU)
 /// gives every real sequence what [`Qwen3::decode`] gives it, step after step, as the batch
 /// shrinks through padded sizes (11 -> 16, 9 -> 16, 5 -> 8, 3 -> 4, 1) and sequences of
-/// different lengths share the pool with the padding's spare row.
+/// different lengths share the pool with the padding's spare row; with and without the fused
+/// q|k|v and gate|up weights ([`Qwen3::decode_weights`]; the bias case has none).
 #[test]
 fn graphed_decode_equals_decode() -> Result<()> {
     use vime_qwen3::infer::{graph_batch, DecodeGraphs};
-    for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+    for (dtype, tol, fuse) in [
+        (DType::F32, 1e-5, false),
+        (DType::F64, 1e-12, false),
+        (DType::F32, 1e-5, true),
+        (DType::F64, 1e-12, true),
+    ] {
         for case in CASES {
             let model = load(case, dtype)?;
+            let fused = if fuse { model.decode_weights()? } else { None };
+            assert_eq!(fused.is_some(), fuse && *case != "untied_bias", "{case}");
+            if let Some(f) = &fused {
+                let c = model.config();
+                let per_layer = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.hidden_size
+                    + 2 * c.intermediate_size * c.hidden_size;
+                assert_eq!(f.bytes(), c.num_hidden_layers * per_layer * dtype.size_in_bytes());
+            }
             let vocab = model.config().vocab_size;
             let (mut plain, mut padded) = (model.new_kv_cache(), model.new_kv_cache());
             let mut graphs = DecodeGraphs::new(true);
@@ -244,7 +258,7 @@ fn graphed_decode_equals_decode() -> Result<()> {
                     .map(|&s| (s, ((s * 31 + round * 17) % vocab) as u32))
                     .collect();
                 let want = model.decode(&toks, &mut plain)?;
-                let got = model.decode_graphed(&toks, &mut padded, &mut graphs)?;
+                let got = model.decode_graphed(&toks, &mut padded, &mut graphs, fused.as_ref())?;
                 steps += 1;
                 assert_eq!(got.dims(), want.dims(), "{case} round {round}");
                 let err = max_row_err(&got, &want)?;

@@ -28,7 +28,9 @@
 //!   (`Qwen3::decode_graphed`: the batch padded to vLLM's capture sizes, per-step inputs in fixed
 //!   device buffers): the step was host-bound, ~500 kernel launches for 2.8 ms of GPU work at
 //!   batch 64 (0.6B). Steps that admit prompts run the plain forward. `VIME_CUDA_GRAPHS=0` turns
-//!   graphs off.
+//!   graphs off. The graphs run each layer's q|k|v and gate|up projections as one GEMM each
+//!   (`Qwen3::decode_weights`, a copy of ~3/4 of the layer weights, made again after each weight
+//!   update; `VIME_FUSED_DECODE=0` saves that memory).
 //! - Stopping, in vLLM's `check_stop` order: an EOS id or a `stop_token_ids` id ends with `Stop`
 //!   (the id is kept); then `max_tokens` generated, or prompt + output reaching
 //!   `max_position_embeddings` (vLLM's `max_model_len`), ends with `Length`.
@@ -50,7 +52,7 @@ use std::sync::{Mutex, RwLock};
 use vime_kernels::testing::Rng;
 use vime_qwen3::checkpoint::{check_tensors, load_config, load_hf_weights};
 use vime_qwen3::config::Qwen3Config;
-use vime_qwen3::infer::{DecodeGraphs, HiddenRows};
+use vime_qwen3::infer::{DecodeGraphs, DecodeWeights, HiddenRows};
 use vime_qwen3::model::Qwen3;
 
 /// vLLM's `_SAMPLING_EPS`: a temperature below it means greedy.
@@ -99,6 +101,9 @@ pub struct EmbeddedEngine {
     weight_version: AtomicU64,
     rng: Mutex<Rng>,
     opts: EngineOptions,
+    /// The fused q|k|v and gate|up weights of the CUDA decode graphs and the weight version they
+    /// were made from (made again after a weight update, dropped when the weights sleep).
+    fused: Mutex<Option<(u64, DecodeWeights)>>,
 }
 
 impl EmbeddedEngine {
@@ -112,6 +117,7 @@ impl EmbeddedEngine {
             weight_version: AtomicU64::new(0),
             rng: Mutex::new(Rng::new(opts.seed)),
             opts,
+            fused: Mutex::new(None),
         })
     }
 
@@ -176,6 +182,31 @@ impl EmbeddedEngine {
         }
         self.weight_version.fetch_add(1, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// The fused decode weights of `model` at the current weight version (made on first use
+    /// after a change); `None` with `VIME_FUSED_DECODE=0` (saves their memory) or for models with
+    /// attention biases.
+    fn fused_weights(&self, model: &Qwen3) -> Result<Option<DecodeWeights>> {
+        if std::env::var("VIME_FUSED_DECODE").is_ok_and(|v| v == "0") {
+            return Ok(None);
+        }
+        let version = self.weight_version.load(Ordering::SeqCst);
+        let mut slot = self
+            .fused
+            .lock()
+            .map_err(|_| anyhow!("the engine's fused-weights lock is poisoned"))?;
+        if let Some((v, w)) = &*slot {
+            if *v == version {
+                return Ok(Some(w.clone()));
+            }
+        }
+        *slot = None;
+        let w = model.decode_weights().context("fusing the decode weights")?;
+        if let Some(w) = &w {
+            *slot = Some((version, w.clone()));
+        }
+        Ok(w)
     }
 
     fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, Qwen3>> {
@@ -359,6 +390,7 @@ impl RolloutEngine for EmbeddedEngine {
         // mixed steps, and every step off CUDA, run the plain forward.
         let mut graphs = DecodeGraphs::from_env();
         let use_graphs = graphs.enabled() && model.device().is_cuda();
+        let fused = if use_graphs { self.fused_weights(&model)? } else { None };
         let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
         // Requests with a sampled token still to feed, in admission order; the slot id is the
         // request index.
@@ -415,7 +447,7 @@ impl RolloutEngine for EmbeddedEngine {
             let hidden = if use_graphs && inputs.iter().all(|(_, t)| t.len() == 1) {
                 // A decode step: one CUDA graph launch per step once captured.
                 let steps: Vec<(usize, u32)> = inputs.iter().map(|&(i, t)| (i, t[0])).collect();
-                model.decode_graphed(&steps, &mut cache, &mut graphs)?
+                model.decode_graphed(&steps, &mut cache, &mut graphs, fused.as_ref())?
             } else {
                 model.forward_with_cache(&inputs, &mut cache, HiddenRows::Last)?
             };
@@ -530,6 +562,10 @@ impl RolloutEngine for EmbeddedEngine {
             return Ok(());
         }
         *model = moved(&model, &Device::Cpu).context("offloading the engine's weights to the host")?;
+        *self
+            .fused
+            .lock()
+            .map_err(|_| anyhow!("the engine's fused-weights lock is poisoned"))? = None;
         device.synchronize()?;
         *home = Some(device);
         Ok(())
