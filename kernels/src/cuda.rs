@@ -95,6 +95,12 @@ fn addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(s: &CudaStorage, l
             l.stride()
         );
     }
+    raw_addr::<T>(s, l)
+}
+
+/// The device address of a tensor's first element, whatever its strides (for kernels that are
+/// given the strides).
+fn raw_addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout) -> Result<u64> {
     let slice = s.as_cuda_slice::<T>()?;
     let stream = s.device.cuda_stream();
     let (p, _sync) = slice.device_ptr(&stream);
@@ -123,6 +129,15 @@ fn slice_addr<T>(s: &CudaSlice<T>, dev: &CudaDevice) -> u64 {
 }
 
 /// The CUDA storage and layout of a tensor that rides in an op struct.
+/// [`tensor_addr`] for a strided view whose strides the kernel is given (no contiguity check).
+fn strided_addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(t: &Tensor, what: &str) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cuda(s) => raw_addr::<T>(s, layout),
+        _ => bail!("{what}: tensor is not on a CUDA device"),
+    }
+}
+
 fn tensor_addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(t: &Tensor, what: &str) -> Result<u64> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
@@ -1531,8 +1546,8 @@ pub(crate) fn qk_norm_rope(
         let (q, qs) = head_rows(q)?;
         let (k, ks) = head_rows(k)?;
         let (qp, kp, wqp, wkp) = (
-            tensor_addr::<bf16>(&q, "qk_norm_rope")?,
-            tensor_addr::<bf16>(&k, "qk_norm_rope")?,
+            strided_addr::<bf16>(&q, "qk_norm_rope")?,
+            strided_addr::<bf16>(&k, "qk_norm_rope")?,
             tensor_addr::<bf16>(wq, "qk_norm_rope")?,
             tensor_addr::<bf16>(wk, "qk_norm_rope")?,
         );
@@ -1578,8 +1593,8 @@ pub fn rows_write2(k_pool: &Tensor, v_pool: &Tensor, k: &Tensor, v: &Tensor, row
     let (pk, pv, sk, sv) = (
         tensor_addr::<bf16>(k_pool, "rows_write2")?,
         tensor_addr::<bf16>(v_pool, "rows_write2")?,
-        tensor_addr::<bf16>(&k, "rows_write2")?,
-        tensor_addr::<bf16>(&v, "rows_write2")?,
+        strided_addr::<bf16>(&k, "rows_write2")?,
+        strided_addr::<bf16>(&v, "rows_write2")?,
     );
     let rp = tensor_addr::<u32>(rows, "rows_write2")?;
     let total = (n * width) as u64;

@@ -46,7 +46,7 @@ while kill -0 $pid 2>/dev/null; do
 done
 wait $pid
 rc=$?
-tail -3 "$OUT/train.txt" | tee -a "$LOG"
+if [ "$rc" = 0 ]; then tail -3 "$OUT/train.txt"; else grep -a -m 5 -i "error" "$OUT/train.txt"; fi | tee -a "$LOG"
 python3 - "$CSV" "$ROLLOUTS" "$rc" <<'PY' 2>&1 | tee -a "$LOG"
 import csv, sys
 rows = [(float(r["seconds"]), int(r["rollouts"]), float(r["mib_used"])) for r in csv.DictReader(open(sys.argv[1]))]
