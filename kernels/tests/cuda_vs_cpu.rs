@@ -821,7 +821,7 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     let base = rng.randn(&[4096, hk * d], 1.0, DType::BF16, gpu)?;
     let (k1, v1, k2, v2) = (pool(&base)?, pool(&base)?, pool(&base)?, pool(&base)?);
     vime_kernels::rows::write_rows2(&k1, &v1, &rows_g, &ak, &vv)?;
-    vime_kernels::rows::write_rows2(&k2, &v2, &rows_g, &bk, &vv.contiguous()?.reshape((t, hk * d))?)?;
+    vime_kernels::rows::write_rows2(&k2, &v2, &rows_g, &bk, &vv.contiguous()?)?;
     let inter = 3072usize;
     let gu = rng.randn(&[t, 2 * inter], 1.0, DType::BF16, gpu)?;
     let packed = vime_kernels::swiglu_packed(&gu)?;
