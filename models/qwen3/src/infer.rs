@@ -424,19 +424,7 @@ impl Qwen3 {
             cu_seqlens_q: &cu_q,
             cu_seqlens_k: &cu_k,
         };
-        for b in &self.blocks {
-            x = b
-                .forward(
-                    self.block_ctx(),
-                    &x,
-                    &positions,
-                    &attention,
-                    crate::block::Keep::Nothing,
-                    None,
-                    &vime_dist::SingleRank::default(),
-                )?
-                .0;
-        }
+        x = self.cached_layers(x, &positions, &attention)?;
         for (&(slot, toks), &p) in seqs.iter().zip(&past) {
             cache.slots.get_mut(&slot).expect("reserved above").len = p + toks.len();
         }
@@ -483,6 +471,24 @@ impl Qwen3 {
         let toks: Vec<[u32; 1]> = steps.iter().map(|&(_, t)| [t]).collect();
         let seqs: Vec<(usize, &[u32])> = steps.iter().zip(&toks).map(|(&(s, _), t)| (s, &t[..])).collect();
         self.forward_with_cache(&seqs, cache, HiddenRows::Last)
+    }
+
+    /// Every layer over `x` with KV-cached attention, keeping nothing for a backward.
+    fn cached_layers(&self, mut x: Tensor, positions: &Arc<[u32]>, attention: &Attention<'_>) -> Result<Tensor> {
+        for b in &self.blocks {
+            x = b
+                .forward(
+                    self.block_ctx(),
+                    &x,
+                    positions,
+                    attention,
+                    crate::block::Keep::Nothing,
+                    None,
+                    &vime_dist::SingleRank::default(),
+                )?
+                .0;
+        }
+        Ok(x)
     }
 
     /// What [`Self::forward_with_cache`] refuses: no sequences, a slot twice, a sequence with no
@@ -610,20 +616,7 @@ impl Qwen3 {
                 cu_seqlens_q: &cu_q,
                 cu_seqlens_k: &cu_k,
             };
-            let mut x = w(&self.embed, false).embedding(&ids_t)?;
-            for blk in &self.blocks {
-                x = blk
-                    .forward(
-                        self.block_ctx(),
-                        &x,
-                        &positions,
-                        &attention,
-                        crate::block::Keep::Nothing,
-                        None,
-                        &vime_dist::SingleRank::default(),
-                    )?
-                    .0;
-            }
+            let x = self.cached_layers(w(&self.embed, false).embedding(&ids_t)?, &positions, &attention)?;
             let y = rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?;
             Ok(out_t.slice_set(&y, 0, 0)?)
         };
