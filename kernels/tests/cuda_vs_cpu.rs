@@ -940,6 +940,7 @@ fn engine_ops_on_cuda_match_the_cpu() -> Result<()> {
 /// (norm + RoPE with device positions, a K/V row write, matmul, decode attention with device
 /// metadata, SwiGLU, an in-place copy into an output buffer) replayed with new inputs written in
 /// place (`write_u32`) gives, bit for bit, what the same chain run eagerly on those inputs gives.
+#[allow(clippy::type_complexity)]
 fn check_graph_replay(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     use vime_kernels::cuda::{run_and_capture, write_u32};
     let (b, hq, hkv, d, cap) = (8usize, 16usize, 8usize, 128usize, 4096usize);
