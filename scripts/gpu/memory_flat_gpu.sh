@@ -2,11 +2,12 @@
 # Device memory stays flat over a GPU RL run (issue 22's GPU row): a GRPO run with the built-in
 # engine (its decode steps through CUDA graphs, captured anew every rollout) on a tiny
 # reverse-digits task with head_dim 128 (the fused CUDA kernels and cuDNN attention train it),
-# ROLLOUTS rollouts of 16 prompts x 8 samples, a checkpoint every 50. A sampler records the
-# device's used memory (nvidia-smi, every 0.5 s) against the rollouts finished so far
-# (metrics.jsonl lines).
+# ROLLOUTS rollouts of 16 prompts x 8 samples, a checkpoint every 50. The curve is the run's own
+# `perf/gpu_memory_used_gb` after every rollout (metrics.jsonl); binaries without that metric fall
+# back to a poll of nvidia-smi every 0.5 s against the rollouts finished so far, too coarse for
+# short runs (a rollout of this task takes ~0.15 s).
 #
-#   ROLLOUTS=200 scripts/gpu/memory_flat_gpu.sh [OUT_DIR]
+#   ROLLOUTS=1000 scripts/gpu/memory_flat_gpu.sh [OUT_DIR]      (~3 minutes)
 #
 # Verdict: the least-squares slope of the used memory over the rollouts after the first 10 %
 # (which warm the pools and the graphs), in MiB per rollout, and the growth it extrapolates to
@@ -16,7 +17,7 @@ set -uo pipefail
 OUT=${1:-${OUT:-/tmp/memory_flat_gpu_out}}
 mkdir -p "$OUT"
 source gpu-carry/device-env.sh
-ROLLOUTS=${ROLLOUTS:-200}
+ROLLOUTS=${ROLLOUTS:-1000}
 BIN=/tmp/vime-train
 [ -x "$BIN" ] || { xz -dc gpu-carry/vime-train.xz > "$BIN" && chmod +x "$BIN"; }
 LOG="$OUT/memory_flat_gpu.txt"
@@ -47,14 +48,25 @@ done
 wait $pid
 rc=$?
 if [ "$rc" = 0 ]; then tail -3 "$OUT/train.txt"; else grep -a -m 5 -i "error" "$OUT/train.txt"; fi | tee -a "$LOG"
-python3 - "$CSV" "$ROLLOUTS" "$rc" <<'PY' 2>&1 | tee -a "$LOG"
-import csv, sys
+cp "$W/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+python3 - "$CSV" "$ROLLOUTS" "$rc" "$OUT/metrics.jsonl" <<'PY' 2>&1 | tee -a "$LOG"
+import csv, json, os, sys
 rows = [(float(r["seconds"]), int(r["rollouts"]), float(r["mib_used"])) for r in csv.DictReader(open(sys.argv[1]))]
 total, rc = int(sys.argv[2]), int(sys.argv[3])
-# Per rollout: the largest use seen while it ran (a high-water mark, the figure a leak raises).
-per = {}
-for _, n, m in rows:
-    per[n] = max(per.get(n, 0.0), m)
+# Per rollout: the run's own figure after each step (perf/gpu_memory_used_gb in metrics.jsonl,
+# exact) where it has one; else the largest use the poll saw while the rollout ran.
+per, source = {}, "nvidia-smi poll"
+if os.path.exists(sys.argv[4]):
+    for i, line in enumerate(open(sys.argv[4])):
+        gb = json.loads(line).get("perf/gpu_memory_used_gb") if line.strip() else None
+        if gb is not None:
+            per[i + 1] = gb * 1e9 / 2**20
+if per:
+    source = "perf/gpu_memory_used_gb"
+else:
+    for _, n, m in rows:
+        per[n] = max(per.get(n, 0.0), m)
+print(f"per-rollout figure: {source}")
 pts = sorted((n, m) for n, m in per.items() if n >= max(1, total // 10))
 if len(pts) < 10 or rc != 0:
     print(f"GPU MEMORY FLAT VERDICT: FAIL (run exit {rc}, {len(pts)} rollouts sampled)")

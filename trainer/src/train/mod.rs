@@ -1231,6 +1231,12 @@ impl<'a> Run<'a> {
         }
 
         m.insert("perf/step_time".into(), rollout_time + train_time);
+        // Device memory in use after the step (the whole GPU's, every process on it): the curve
+        // that shows whether a long run's memory stays flat (scripts/gpu/memory_flat_gpu.sh).
+        #[cfg(feature = "cuda")]
+        if let Some(gb) = vime_sync::cuda::device_memory_used_gb(self.policy.device()) {
+            m.insert("perf/gpu_memory_used_gb".into(), gb);
+        }
         Ok(m)
     }
 
