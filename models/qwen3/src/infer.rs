@@ -473,6 +473,21 @@ impl Qwen3 {
         self.forward_with_cache(&seqs, cache, HiddenRows::Last)
     }
 
+    /// Whether a decode step of this model may be captured as a CUDA graph: on CUDA in bf16 with
+    /// head_dim 128 and 1-8 query heads per kv head (every Qwen3), where every op of the step is
+    /// one of vime's kernels with its sizes fixed by the batch. Elsewhere some op would size its
+    /// work from the step's lengths on the host (the gather of the generic decode path), which a
+    /// graph would freeze at its capture: [`Self::decode_graphed`] then runs eagerly.
+    pub fn graph_safe(&self) -> bool {
+        let ctx = self.block_ctx();
+        self.device().is_cuda()
+            && self.dtype() == DType::BF16
+            && ctx.head_dim == 128
+            && ctx.kv_heads > 0
+            && ctx.q_heads % ctx.kv_heads == 0
+            && (1..=8).contains(&(ctx.q_heads / ctx.kv_heads))
+    }
+
     /// Every layer over `x` with KV-cached attention, keeping nothing for a backward.
     fn cached_layers(&self, mut x: Tensor, positions: &Arc<[u32]>, attention: &Attention<'_>) -> Result<Tensor> {
         for b in &self.blocks {
@@ -621,7 +636,7 @@ impl Qwen3 {
             Ok(out_t.slice_set(&y, 0, 0)?)
         };
         #[cfg(feature = "cuda")]
-        if graphs.enabled && dev.is_cuda() {
+        if graphs.enabled && self.graph_safe() {
             match &bucket.graph {
                 Some(g) => {
                     g.launch()?;

@@ -390,7 +390,7 @@ impl RolloutEngine for EmbeddedEngine {
         // Decode steps through captured CUDA graphs (`VIME_CUDA_GRAPHS=0`: off); prefill and
         // mixed steps, and every step off CUDA, run the plain forward.
         let mut graphs = DecodeGraphs::from_env();
-        let use_graphs = graphs.enabled() && model.device().is_cuda();
+        let use_graphs = graphs.enabled() && model.graph_safe();
         let fused = if use_graphs { self.fused_weights(&model)? } else { None };
         let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
         // Requests with a sampled token still to feed, in admission order; the slot id is the
