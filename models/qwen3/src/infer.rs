@@ -484,7 +484,7 @@ impl Qwen3 {
             && self.dtype() == DType::BF16
             && ctx.head_dim == 128
             && ctx.kv_heads > 0
-            && ctx.q_heads % ctx.kv_heads == 0
+            && ctx.q_heads.is_multiple_of(ctx.kv_heads)
             && (1..=8).contains(&(ctx.q_heads / ctx.kv_heads))
     }
 
