@@ -156,3 +156,7 @@ mod tests {
         assert!(flash.deterministic());
     }
 }
+
+/// Resident blocks a memory-bound kernel aims for on an H200 (132 SMs x 8): enough bytes in
+/// flight to run at bandwidth. The decode attention's and the sampler's split counts come from it.
+pub(crate) const GPU_FILL_BLOCKS: usize = 1056;

@@ -1298,9 +1298,6 @@ pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
     dev.cuda_stream().clone_dtoh(&out).w()
 }
 
-/// Blocks the sampler aims for over all rows (132 SMs x 8).
-const SAMPLE_TARGET_BLOCKS: usize = 1056;
-
 /// [`crate::sample::sample_gumbel_logprobs`] on the device: one launch over vocabulary slices
 /// (plus a merge when there is more than one), `rows` u32 (and, with `logprobs`, `rows` f32)
 /// back to the host.
@@ -1338,7 +1335,7 @@ pub fn sample_gumbel(
     let lpp = lp.as_ref().map_or(0u64, |l| slice_addr(l, &dev));
     // Enough blocks to fill the GPU (one block per row left 131 of 132 SMs idle at batch 1 and
     // took ~0.25 ms a step at batch 64), slices of at least 4096 logits.
-    let splits = SAMPLE_TARGET_BLOCKS
+    let splits = crate::config::GPU_FILL_BLOCKS
         .div_ceil(rows.max(1))
         .clamp(1, vocab.div_ceil(4096).max(1));
     let chunk = vocab.div_ceil(splits);

@@ -14,9 +14,8 @@ use crate::config::KernelConfig;
 use candle_core::{bail, DType, Result, Tensor};
 use std::sync::Arc;
 
-/// Resident 128-thread blocks the CUDA decode kernel aims for (132 SMs x 8): enough bytes in
-/// flight to keep a memory-bound kernel at bandwidth.
-const TARGET_BLOCKS: usize = 1056;
+/// Blocks the CUDA decode kernel aims for: [`crate::config::GPU_FILL_BLOCKS`].
+const TARGET_BLOCKS: usize = crate::config::GPU_FILL_BLOCKS;
 /// Keys a decode block covers per iteration (4 warps x 16): a split's length is a multiple.
 const KEYS_PER_ITER: usize = 64;
 /// Most splits a fixed plan ([`SplitPlan::fixed`]) uses.

@@ -751,17 +751,10 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
         vime_kernels::rope::qk_norm_rope(&g(&q)?, &g(&k)?, &g(&wq)?, &g(&wk)?, eps, &pos, Some(&pos_dev), theta)?;
     let sq = vime_kernels::rope(&vime_kernels::rms_norm(&g(&q)?, &g(&wq)?, eps)?, &pos, theta)?;
     let sk = vime_kernels::rope(&vime_kernels::rms_norm(&g(&k)?, &g(&wk)?, eps)?, &pos, theta)?;
-    let max_diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
-        (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f32>()
-    };
-    let same = max_diff(&fq, &sq)?
-        .max(max_diff(&fk, &sk)?)
-        .max(max_diff(&dq, &fq)?)
-        .max(max_diff(&dk, &fk)?);
+    let same = max_abs_diff(&fq, &sq)?
+        .max(max_abs_diff(&fk, &sk)?)
+        .max(max_abs_diff(&dq, &fq)?)
+        .max(max_abs_diff(&dk, &fk)?);
     let (cq, ck) = vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, &pos, None, theta)?;
     let cpu_err = rel_err(&fq.to_device(&Device::Cpu)?, &cq)?.max(rel_err(&fk.to_device(&Device::Cpu)?, &ck)?);
     let ok = same == 0.0 && cpu_err <= TOL;
@@ -785,7 +778,7 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     vime_kernels::rows::write_rows(&pk_c, &rows_c, &sk)?;
     vime_kernels::rows::write_rows(&pv_c, &rows_c, &sv)?;
     vime_kernels::rows::write_rows2(&pk_g, &pv_g, &g(&rows_c)?, &g(&sk)?, &g(&sv)?)?;
-    let diff = max_diff(&pk_c, &pk_g)?.max(max_diff(&pv_c, &pv_g)?);
+    let diff = max_abs_diff(&pk_c, &pk_g)?.max(max_abs_diff(&pv_c, &pv_g)?);
     println!(
         "{:<26} {:<52} max |cpu - cuda| {diff:e}  {}",
         "write_rows2",
@@ -830,11 +823,11 @@ fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
         &gu.narrow(1, inter, inter)?.contiguous()?,
     )?;
     let diff = [
-        max_diff(&aq, &bq)?,
-        max_diff(&ak, &bk)?,
-        max_diff(&k1, &k2)?,
-        max_diff(&v1, &v2)?,
-        max_diff(&packed, &split)?,
+        max_abs_diff(&aq, &bq)?,
+        max_abs_diff(&ak, &bk)?,
+        max_abs_diff(&k1, &k2)?,
+        max_abs_diff(&v1, &v2)?,
+        max_abs_diff(&packed, &split)?,
     ]
     .into_iter()
     .fold(0f32, f32::max);
@@ -1019,13 +1012,7 @@ fn check_graph_replay(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
     for (s, x) in xs.iter().enumerate() {
         let (pos, cu, plan) = load(s, x)?;
         chain(&pos, &cu, plan)?;
-        let eager = out.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
-        let diff = (eager - replayed[s].to_dtype(DType::F32)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f32>()?;
-        worst = worst.max(diff);
+        worst = worst.max(max_abs_diff(&out, &replayed[s])?);
     }
     let ok = worst == 0.0;
     println!(
@@ -1038,6 +1025,15 @@ fn check_graph_replay(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
         failures.push(format!("cuda_graph_replay: max |replay - eager| {worst:e}"));
     }
     Ok(())
+}
+
+/// The largest `|a - b|` over two tensors of one shape (any dtype, either device), in f32.
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()
 }
 
 /// Rows of `a` and `b` (same shape, any dtype) that differ in any bit.
@@ -1164,13 +1160,6 @@ fn batch_invariance_on_cuda() -> Result<()> {
     };
     let (p1, p64) = (SplitPlan::fixed(1, hkv, len), SplitPlan::fixed(64, hkv, len));
     let (d1, d64) = (dec(p1)?, dec(p64)?);
-    let maxd = |a: &Tensor, b: &Tensor| -> Result<f32> {
-        (a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?
-            .abs()?
-            .flatten_all()?
-            .max(0)?
-            .to_scalar::<f32>()
-    };
     println!(
         "{:<26} {:<52} decode plan {}x{} vs {}x{}: max |diff| {:.1e}; decode vs trainer: {:.1e}",
         "attention (last position)",
@@ -1179,8 +1168,8 @@ fn batch_invariance_on_cuda() -> Result<()> {
         p1.chunk,
         p64.splits,
         p64.chunk,
-        maxd(&d1, &d64)?,
-        maxd(&d1, &trainer)?
+        max_abs_diff(&d1, &d64)?,
+        max_abs_diff(&d1, &trainer)?
     );
     println!(
         "BATCH INVARIANCE VERDICT: {} (asserted: rms_norm rows; the rest is measured above)",

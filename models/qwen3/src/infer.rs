@@ -635,17 +635,21 @@ impl Qwen3 {
             let y = rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?;
             Ok(out_t.slice_set(&y, 0, 0)?)
         };
+        // Replayed, or run once and captured: the step is done. Otherwise it runs eagerly.
         #[cfg(feature = "cuda")]
-        if graphs.enabled && self.graph_safe() {
-            match &bucket.graph {
+        let done = graphs.enabled
+            && self.graph_safe()
+            && match &bucket.graph {
                 Some(g) => {
                     g.launch()?;
                     graphs.stats.replays += 1;
+                    true
                 }
-                None => match vime_kernels::cuda::run_and_capture(&dev, body)? {
+                None => match vime_kernels::cuda::run_and_capture(&dev, &body)? {
                     ((), Ok(g)) => {
                         bucket.graph = Some(g);
                         graphs.stats.captures += 1;
+                        true
                     }
                     ((), Err(e)) => {
                         // The step ran; go on without graphs rather than fail the rollout.
@@ -655,15 +659,13 @@ impl Qwen3 {
                         );
                         graphs.enabled = false;
                         graphs.stats.eager += 1;
+                        true
                     }
                 },
-            }
-        } else {
-            body()?;
-            graphs.stats.eager += 1;
-        }
+            };
         #[cfg(not(feature = "cuda"))]
-        {
+        let done = false;
+        if !done {
             body()?;
             graphs.stats.eager += 1;
         }
