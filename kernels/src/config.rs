@@ -129,6 +129,10 @@ impl KernelConfig {
     }
 }
 
+/// Resident blocks a memory-bound kernel aims for on an H200 (132 SMs x 8): enough bytes in
+/// flight to run at bandwidth. The decode attention's and the sampler's split counts come from it.
+pub(crate) const GPU_FILL_BLOCKS: usize = 1056;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,7 +160,3 @@ mod tests {
         assert!(flash.deterministic());
     }
 }
-
-/// Resident blocks a memory-bound kernel aims for on an H200 (132 SMs x 8): enough bytes in
-/// flight to run at bandwidth. The decode attention's and the sampler's split counts come from it.
-pub(crate) const GPU_FILL_BLOCKS: usize = 1056;
