@@ -60,6 +60,11 @@ pub struct KernelConfig {
     attention: AttentionBackend,
     deterministic: bool,
     on_cudnn_failure: CudnnFailure,
+    /// `--true-on-policy-mode`: every GEMM and attention of a forward on CUDA runs the
+    /// batch-invariant kernels (`cuda/invariant.cu`), so a token's activations do not depend on
+    /// what else is in the batch and the built-in engine's decode steps reproduce the trainer's
+    /// pass over the whole sequence bit for bit. Backward passes are unchanged.
+    batch_invariant: bool,
     /// Set once cuDNN failed under `auto` + `fallback`: every later call runs the flash kernel.
     cudnn_off: Arc<AtomicBool>,
 }
@@ -84,8 +89,19 @@ impl KernelConfig {
             attention,
             deterministic,
             on_cudnn_failure,
+            batch_invariant: false,
             cudnn_off: Arc::default(),
         })
+    }
+
+    /// This config with the batch-invariant kernels on or off (see the field's docs).
+    pub fn with_batch_invariant(mut self, on: bool) -> Self {
+        self.batch_invariant = on;
+        self
+    }
+
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant
     }
 
     pub fn attention(&self) -> AttentionBackend {

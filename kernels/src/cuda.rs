@@ -32,6 +32,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
 const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
+const INVARIANT_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/invariant.ptx"));
 
 /// Vocabulary columns per logits block of the LM head.
 const VOCAB_CHUNK: usize = 16384;
@@ -75,6 +76,10 @@ fn flash_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
 
 fn decode_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
     load(dev, "vime_decode", DECODE_PTX, name)
+}
+
+fn invariant_fn(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load(dev, "vime_invariant", INVARIANT_PTX, name)
 }
 
 /// A launch of `f` on the device's (candle's) stream.
@@ -484,6 +489,79 @@ unsafe fn gemm(
     .map_err(|e| candle_core::Error::Msg(format!("cuBLAS GemmEx: {e:?}")))
 }
 
+/// `Y = X . W^T` by the batch-invariant GEMM (`vime_bi_gemm`, `cuda/invariant.cu`): `x: [m, k]`
+/// and `w: [n, k]` bf16 at device addresses `xp`, `wp` (contiguous rows), `y` written at `yp`
+/// with row stride `ldy` elements, bf16 or (`f32_out`) f32.
+///
+/// Safety: the addresses must hold those extents on `dev`'s stream.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bi_gemm(
+    dev: &CudaDevice,
+    xp: u64,
+    wp: u64,
+    yp: u64,
+    m: usize,
+    n: usize,
+    k: usize,
+    ldy: usize,
+    f32_out: bool,
+) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let f = invariant_fn(dev, "vime_bi_gemm")?;
+    let grid_y = m.div_ceil(64);
+    if grid_y > 65_535 {
+        bail!("batch-invariant GEMM: {m} rows is more than the grid takes (65535 x 64)");
+    }
+    let c = LaunchConfig {
+        grid_dim: (n.div_ceil(64) as u32, grid_y as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (m_i, n_i, k_i) = (
+        i32_of("bi_gemm", "rows", m)?,
+        i32_of("bi_gemm", "columns", n)?,
+        i32_of("bi_gemm", "depth", k)?,
+    );
+    let (ldy_i, f32_i) = (i32_of("bi_gemm", "row stride", ldy)?, f32_out as i32);
+    launch!(dev, f, c, [&xp, &wp, &yp, &m_i, &n_i, &k_i, &ldy_i, &f32_i]);
+    Ok(())
+}
+
+/// [`crate::invariant::matmul_t`] on the device: `x [m, k] . w [n, k]^T`, bf16 (or f32) out.
+pub(crate) fn bi_matmul_t(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Tensor> {
+    let dev = match x.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("batch-invariant GEMM: x must be on a CUDA device"),
+    };
+    check_bf16("batch-invariant GEMM", &[x.dtype(), w.dtype()])?;
+    let (m, k) = x.dims2()?;
+    let (n, k2) = w.dims2()?;
+    if k != k2 {
+        bail!(
+            "batch-invariant GEMM: x {:?} and w {:?} differ in depth",
+            x.dims(),
+            w.dims()
+        );
+    }
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let (xp, wp) = (
+        tensor_addr::<bf16>(&x, "bi_gemm x")?,
+        tensor_addr::<bf16>(&w, "bi_gemm w")?,
+    );
+    if f32_out {
+        // Safety: the kernel writes every element of the [m, n] output.
+        let out = unsafe { dev.alloc::<f32>((m * n).max(1)) }?;
+        unsafe { bi_gemm(&dev, xp, wp, slice_addr(&out, &dev), m, n, k, n, true)? };
+        Ok(device_tensor(out, &dev, (m, n)))
+    } else {
+        let out = unsafe { dev.alloc::<bf16>((m * n).max(1)) }?;
+        unsafe { bi_gemm(&dev, xp, wp, slice_addr(&out, &dev), m, n, k, n, false)? };
+        Ok(device_tensor(out, &dev, (m, n)))
+    }
+}
+
 /// [`crate::lm_head::logits_f32`] on the device: `[n, v]` f32 logits of contiguous bf16
 /// `hidden: [n, h]` and `w: [v, h]`, one GEMM.
 pub(crate) fn logits_f32(hidden: &Tensor, w: &Tensor, n: usize, v: usize, h: usize) -> Result<Tensor> {
@@ -528,6 +606,7 @@ pub(crate) fn lm_head_fwd(
     lw: &Layout,
     targets: &[u32],
     chunk_tokens: usize,
+    invariant: bool,
 ) -> Result<(CudaStorage, Shape)> {
     check_bf16("logprobs_entropy", &[h.dtype(), w.dtype()])?;
     let dev = &h.device;
@@ -554,24 +633,13 @@ pub(crate) fn lm_head_fwd(
         let rows = rows_max.min(t - row0);
         for v0 in (0..v).step_by(vc_max) {
             let vc = vc_max.min(v - v0);
-            // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T
-            unsafe {
-                gemm(
-                    dev,
-                    true,
-                    false,
-                    vc,
-                    rows,
-                    hid,
-                    wp + (v0 * hid * 2) as u64,
-                    hid,
-                    hp + (row0 * hid * 2) as u64,
-                    hid,
-                    0.0,
-                    lp,
-                    true,
-                    vc,
-                )?;
+            let (wc, hr) = (wp + (v0 * hid * 2) as u64, hp + (row0 * hid * 2) as u64);
+            if invariant {
+                // The same logits bits whatever the row count (see `crate::invariant`).
+                unsafe { bi_gemm(dev, hr, wc, lp, rows, vc, hid, vc, true)? };
+            } else {
+                // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T
+                unsafe { gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)? };
             }
             let (vc_i, v0_i, row0_i) = (vc as i32, v0 as i32, row0 as i32);
             launch!(
@@ -831,6 +899,12 @@ pub(crate) fn flash_fwd(
     let hkv = lk.dims()[1];
     let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
     let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
+    if kernels.batch_invariant() {
+        bi_attention(q, lq, k, lk, v, lv, cu_q, cu_k, scale, &out, &lse)?;
+        // The flash backward reads this log-sum-exp (same layout and base).
+        *saved.0.lock().unwrap() = Some((lse, None));
+        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()));
+    }
     #[cfg(feature = "cudnn")]
     if tq > 0 {
         if let Some(plan) = cudnn_plan(kernels, cu_q, cu_k, h, hkv, lq.dims()[2])? {
@@ -882,6 +956,73 @@ pub(crate) fn flash_fwd(
     }
     *saved.0.lock().unwrap() = Some((lse, None));
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
+}
+
+/// Most query heads per kv head `vime_bi_attn` takes (one warp each; `BI_MAXG` in invariant.cu).
+const BI_MAX_GROUP: usize = 8;
+
+/// The batch-invariant attention (`vime_bi_attn`) into `out` and `lse` (the flash kernel's
+/// layouts), for `--true-on-policy-mode`.
+#[allow(clippy::too_many_arguments)]
+fn bi_attention(
+    q: &CudaStorage,
+    lq: &Layout,
+    k: &CudaStorage,
+    lk: &Layout,
+    v: &CudaStorage,
+    lv: &Layout,
+    cu_q: &[u32],
+    cu_k: &[u32],
+    scale: f64,
+    out: &CudaSlice<bf16>,
+    lse: &CudaSlice<f32>,
+) -> Result<()> {
+    let dev = &q.device;
+    let (tq, h) = (lq.dims()[0], lq.dims()[1]);
+    let hkv = lk.dims()[1];
+    let group = h / hkv.max(1);
+    if group == 0 || group > BI_MAX_GROUP || h % hkv != 0 {
+        bail!(
+            "--true-on-policy-mode: the batch-invariant attention takes 1 to {BI_MAX_GROUP} query heads per kv head, got {h} query and {hkv} kv heads"
+        );
+    }
+    let g = seq_grid(cu_q, cu_k);
+    if tq == 0 || g.max_lq == 0 {
+        return Ok(());
+    }
+    if g.max_lq > i32::MAX as usize || g.n > 65_535 {
+        bail!(
+            "--true-on-policy-mode attention: {} sequences of up to {} queries do not fit the grid",
+            g.n,
+            g.max_lq
+        );
+    }
+    let (cq, ck) = (upload_u32_cached(dev, cu_q)?, upload_u32_cached(dev, cu_k)?);
+    let (qp, kp, vp) = (
+        addr::<bf16>(q, lq, "varlen_attention")?,
+        addr::<bf16>(k, lk, "varlen_attention")?,
+        addr::<bf16>(v, lv, "varlen_attention")?,
+    );
+    let (op, lp, cqp, ckp) = (
+        slice_addr(out, dev),
+        slice_addr(lse, dev),
+        slice_addr(&*cq, dev),
+        slice_addr(&*ck, dev),
+    );
+    let (tq_i, h_i, hkv_i, scale_f) = (tq as i32, h as i32, hkv as i32, scale as f32);
+    let f = invariant_fn(dev, "vime_bi_attn")?;
+    let c = LaunchConfig {
+        grid_dim: (g.max_lq as u32, hkv as u32, g.n),
+        block_dim: (32 * group as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(
+        dev,
+        f,
+        c,
+        [&qp, &kp, &vp, &op, &lp, &cqp, &ckp, &tq_i, &h_i, &hkv_i, &scale_f]
+    );
+    Ok(())
 }
 
 /// Packed `[dq ++ dk ++ dv]`, bf16.

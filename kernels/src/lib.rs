@@ -35,6 +35,7 @@ pub mod cuda;
 mod cudnn;
 pub mod decode;
 pub mod embedding;
+pub mod invariant;
 pub mod lm_head;
 pub mod real;
 pub mod rmsnorm;
@@ -50,7 +51,10 @@ pub use attention::{
 };
 pub use config::{AttentionBackend, CudnnFailure, KernelConfig, CUDNN_BUILT};
 pub use embedding::embedding_backward;
-pub use lm_head::{logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, LmHeadSaved, IGNORE_TARGET};
+pub use lm_head::{
+    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, logprobs_entropy_saved_with,
+    logprobs_entropy_with, LmHeadSaved, IGNORE_TARGET,
+};
 pub use real::Real;
 pub use rmsnorm::{rms_norm, rms_norm_backward};
 pub use rope::{rope, rope_backward};

@@ -29,6 +29,7 @@
 //!   by chunk.
 //! - The softmax statistics are per row and parallel over rows (rayon); nothing is reduced across
 //!   rows except `d_lm_head`, which is the GEMM's own reduction plus the ordered chunk sum.
+use crate::config::KernelConfig;
 use crate::real::{same_dtype, Real};
 use crate::with_acc;
 use candle_core::backend::BackendStorage;
@@ -47,6 +48,12 @@ const ADD_CHUNK: usize = 1 << 16;
 /// output (the logits are never rounded to bf16, as in [`logprobs_entropy`]); elsewhere both
 /// sides are widened to f32 and multiplied.
 pub fn logits_f32(hidden: &Tensor, lm_head: &Tensor) -> Result<Tensor> {
+    logits_f32_with(hidden, lm_head, &KernelConfig::default())
+}
+
+/// [`logits_f32`] under the kernel choice `kernels`: in its batch-invariant mode bf16 on CUDA
+/// runs the batch-invariant GEMM, whose logits equal [`logprobs_entropy_with`]'s bit for bit.
+pub fn logits_f32_with(hidden: &Tensor, lm_head: &Tensor, kernels: &KernelConfig) -> Result<Tensor> {
     let (n, h) = hidden.dims2()?;
     let (v, h2) = lm_head.dims2()?;
     if h != h2 {
@@ -58,9 +65,12 @@ pub fn logits_f32(hidden: &Tensor, lm_head: &Tensor) -> Result<Tensor> {
     }
     #[cfg(feature = "cuda")]
     if crate::cuda::fused(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype() && n > 0 {
+        if kernels.batch_invariant() {
+            return crate::cuda::bi_matmul_t(hidden, lm_head, true);
+        }
         return crate::cuda::logits_f32(&hidden.contiguous()?, &lm_head.contiguous()?, n, v, h);
     }
-    let _ = (n, v);
+    let _ = (n, v, kernels);
     hidden
         .to_dtype(candle_core::DType::F32)?
         .matmul(&lm_head.to_dtype(candle_core::DType::F32)?.t()?)
@@ -78,6 +88,17 @@ pub fn logprobs_entropy(
     targets: &Arc<[u32]>,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
+    logprobs_entropy_with(hidden, lm_head, targets, chunk_tokens, &KernelConfig::default())
+}
+
+/// [`logprobs_entropy`] under the kernel choice `kernels` (its batch-invariant mode).
+pub fn logprobs_entropy_with(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Arc<[u32]>,
+    chunk_tokens: usize,
+    kernels: &KernelConfig,
+) -> Result<(Tensor, Tensor)> {
     let fused = crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype();
     if !(hidden.device().is_cpu() || fused) {
         return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
@@ -86,6 +107,7 @@ pub fn logprobs_entropy(
     let op = LmHead {
         targets: targets.clone(),
         chunk_tokens,
+        invariant: kernels.batch_invariant(),
     };
     let out = hidden.contiguous()?.apply_op2(&lm_head.contiguous()?, op)?;
     split(&out)
@@ -124,6 +146,18 @@ pub fn logprobs_entropy_saved(
     targets: &Arc<[u32]>,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor, LmHeadSaved)> {
+    logprobs_entropy_saved_with(hidden, lm_head, targets, chunk_tokens, &KernelConfig::default())
+}
+
+/// [`logprobs_entropy_saved`] under the kernel choice `kernels` (its batch-invariant mode; the
+/// backward is the same either way).
+pub fn logprobs_entropy_saved_with(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &Arc<[u32]>,
+    chunk_tokens: usize,
+    kernels: &KernelConfig,
+) -> Result<(Tensor, Tensor, LmHeadSaved)> {
     let fused = crate::fused_cuda(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype();
     if !(hidden.device().is_cpu() || fused) {
         let (out, graph) = crate::composed::Graph::run(&[hidden, lm_head], |t| {
@@ -137,6 +171,7 @@ pub fn logprobs_entropy_saved(
     let op = LmHead {
         targets: targets.clone(),
         chunk_tokens,
+        invariant: kernels.batch_invariant(),
     };
     let out = hidden.contiguous()?.apply_op2_no_bwd(&lm_head.contiguous()?, &op)?;
     let (logprobs, entropy) = split(&out)?;
@@ -183,6 +218,10 @@ pub fn logprobs_entropy_backward(
 struct LmHead {
     targets: Arc<[u32]>,
     chunk_tokens: usize,
+    /// `--true-on-policy-mode`: the logits by the batch-invariant GEMM on CUDA (no effect on the
+    /// CPU, whose GEMM already sums every row in one order).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    invariant: bool,
 }
 
 /// `(T, H, V)` from the layouts of `hidden` and `lm_head`, re-checked so a bad call errors.
@@ -349,7 +388,7 @@ impl CustomOp2 for LmHead {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         sizes("logprobs_entropy", l1, l2, &self.targets, self.chunk_tokens)?;
-        crate::cuda::lm_head_fwd(s1, l1, s2, l2, &self.targets, self.chunk_tokens)
+        crate::cuda::lm_head_fwd(s1, l1, s2, l2, &self.targets, self.chunk_tokens, self.invariant)
     }
 
     fn bwd(

@@ -1178,3 +1178,153 @@ fn batch_invariance_on_cuda() -> Result<()> {
     assert!(failures.is_empty(), "{failures:?}");
     Ok(())
 }
+
+/// `--true-on-policy-mode`'s kernels (issue 20): a row's bits must not depend on the batch. The
+/// batch-invariant GEMM at Qwen3-4B's layer shapes (rows 1 to 256 and an offset window against a
+/// 1024-row GEMM, and against an f32 reference); the LM head's log-probs of 64 engine rows against
+/// the trainer's over 1024; the attention of single decode queries, of a two-sequence decode
+/// batch and of a prefill chunk against the trainer's pass over the packed sequences (and against
+/// the flash kernel, and its backward on the invariant forward's log-sum-exp against flash's).
+#[test]
+fn true_on_policy_kernels_on_cuda() -> Result<()> {
+    let Ok(gpu) = Device::new_cuda(0) else {
+        println!("no CUDA device: skipped");
+        return Ok(());
+    };
+    let mut rng = Rng::new(78);
+    let mut failures = Vec::new();
+    let inv = vime_kernels::KernelConfig::default().with_batch_invariant(true);
+    let plain = vime_kernels::KernelConfig::default();
+    let big = 1024usize;
+    for (n, k) in [
+        (4096usize, 2560usize),
+        (1024, 2560),
+        (2560, 4096),
+        (9728, 2560),
+        (2560, 9728),
+        (100, 72),
+    ] {
+        let x = rng.randn(&[big, k], 1.0, DType::BF16, &gpu)?;
+        let w = rng.randn(&[n, k], 0.02, DType::BF16, &gpu)?;
+        let t0 = Instant::now();
+        let full = vime_kernels::invariant::matmul_t(&x, &w, &inv)?;
+        gpu.synchronize()?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut differ = 0;
+        for (a, m) in [(0usize, 1usize), (0, 8), (0, 64), (0, 256), (37, 64), (big - 3, 3)] {
+            let part = vime_kernels::invariant::matmul_t(&x.narrow(0, a, m)?, &w, &inv)?;
+            differ += rows_differing(&part, &full.narrow(0, a, m)?)?;
+        }
+        let reference = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
+        let err = rel_err(&full.to_dtype(DType::F32)?, &reference)?;
+        let ok = differ == 0 && err < 1e-2;
+        println!(
+            "{:<26} {:<40} rows differing: {differ}, rel err vs f32 {err:.1e}, {ms:.2} ms  {}",
+            "bi gemm",
+            format!("[M, {k}] x [{n}, {k}]^T"),
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            failures.push(format!("bi gemm {n}x{k}: {differ} rows differ, rel err {err:.1e}"));
+        }
+    }
+    // The LM head: the engine's 64 rows (its logits, then the trainer's kernel on its hidden rows)
+    // against the trainer's 1024-row call.
+    let (vocab, hid) = (151_936usize, 2560usize);
+    let lm = rng.randn(&[vocab, hid], 0.02, DType::BF16, &gpu)?;
+    let h = rng.randn(&[big, hid], 1.0, DType::BF16, &gpu)?;
+    let m = 64usize;
+    let logits = vime_kernels::lm_head::logits_f32_with(&h.narrow(0, 0, m)?, &lm, &inv)?;
+    let toks = vime_kernels::sample::sample_gumbel(&logits, &vec![1; m], &vec![0; m], &vec![1.0; m])?;
+    let engine_t: Arc<[u32]> = toks.clone().into();
+    let (elp, _) = vime_kernels::logprobs_entropy_with(&h.narrow(0, 0, m)?, &lm, &engine_t, m, &inv)?;
+    let mut all: Vec<u32> = toks.clone();
+    all.extend((m..big).map(|i| (i * 7919 % vocab) as u32));
+    let all: Arc<[u32]> = all.into();
+    let (tlp, _) = vime_kernels::logprobs_entropy_with(&h, &lm, &all, 4096, &inv)?;
+    let (plp, _) = vime_kernels::logprobs_entropy(&h, &lm, &all, 4096)?;
+    let tlp = tlp.narrow(0, 0, m)?;
+    let same = m - rows_differing(&elp.unsqueeze(1)?, &tlp.unsqueeze(1)?)?;
+    let gap = max_abs_diff(&tlp, &plp.narrow(0, 0, m)?)?;
+    let ok = same == m && gap < 1e-2;
+    println!(
+        "{:<26} {:<40} engine vs trainer bit-equal {same}/{m}; vs cuBLAS mode max |diff| {gap:.1e}  {}",
+        "lm head logprobs",
+        format!("[{m} of {big}, {hid}] x [{vocab}, {hid}]^T"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!("lm head: {same}/{m} bit-equal, gap to cuBLAS {gap:.1e}"));
+    }
+    // Attention: two packed sequences (300 and 77 tokens), the trainer's call over both.
+    for (hq, hkv) in [(32usize, 8usize), (16, 8), (8, 1)] {
+        let d = 128usize;
+        let (l0, l1) = (300usize, 77usize);
+        let t = l0 + l1;
+        let q = rng.randn(&[t, hq, d], 1.0, DType::BF16, &gpu)?;
+        let kk = rng.randn(&[t, hkv, d], 1.0, DType::BF16, &gpu)?;
+        let vv = rng.randn(&[t, hkv, d], 1.0, DType::BF16, &gpu)?;
+        let cu: Arc<[u32]> = [0u32, l0 as u32, t as u32].into();
+        let scale = 1.0 / (d as f64).sqrt();
+        let (full, saved) = vime_kernels::varlen_attention_saved(&q, &kk, &vv, &cu, &cu, scale, &inv)?;
+        let mut differ = 0;
+        // Single decode queries at positions of sequence 0 (chunk edges at 32).
+        for p in [0usize, 1, 31, 32, 33, 150, l0 - 1] {
+            let (cq, ck): (Arc<[u32]>, Arc<[u32]>) = ([0u32, 1].into(), [0u32, p as u32 + 1].into());
+            let one = vime_kernels::varlen_attention(
+                &q.narrow(0, p, 1)?,
+                &kk.narrow(0, 0, p + 1)?,
+                &vv.narrow(0, 0, p + 1)?,
+                &cq,
+                &ck,
+                scale,
+                &inv,
+            )?;
+            differ += rows_differing(&one.flatten_from(1)?, &full.narrow(0, p, 1)?.flatten_from(1)?)?;
+        }
+        // A decode batch of both sequences' last queries over their gathered keys.
+        let last = Tensor::cat(&[q.narrow(0, l0 - 1, 1)?, q.narrow(0, t - 1, 1)?], 0)?;
+        let (cq, ck): (Arc<[u32]>, Arc<[u32]>) = ([0u32, 1, 2].into(), [0u32, l0 as u32, t as u32].into());
+        let both = vime_kernels::varlen_attention(&last, &kk, &vv, &cq, &ck, scale, &inv)?;
+        let want = Tensor::cat(&[full.narrow(0, l0 - 1, 1)?, full.narrow(0, t - 1, 1)?], 0)?;
+        differ += rows_differing(&both.flatten_from(1)?, &want.flatten_from(1)?)?;
+        // A prefill chunk: queries 100..300 of sequence 0 against its keys 0..300.
+        let (cq, ck): (Arc<[u32]>, Arc<[u32]>) = ([0u32, 200].into(), [0u32, l0 as u32].into());
+        let chunk = vime_kernels::varlen_attention(
+            &q.narrow(0, 100, 200)?,
+            &kk.narrow(0, 0, l0)?,
+            &vv.narrow(0, 0, l0)?,
+            &cq,
+            &ck,
+            scale,
+            &inv,
+        )?;
+        differ += rows_differing(&chunk.flatten_from(1)?, &full.narrow(0, 100, 200)?.flatten_from(1)?)?;
+        let (flash, fsaved) = vime_kernels::varlen_attention_saved(&q, &kk, &vv, &cu, &cu, scale, &plain)?;
+        let gap = max_abs_diff(&full, &flash)?;
+        let dout = rng.randn(&[t, hq, d], 1.0, DType::BF16, &gpu)?;
+        let (dq, dk, dv) = vime_kernels::varlen_attention_backward(&saved, &q, &kk, &vv, &full, &dout)?;
+        let (fq, fk, fv) = vime_kernels::varlen_attention_backward(&fsaved, &q, &kk, &vv, &flash, &dout)?;
+        let gerr = [rel_err(&dq, &fq)?, rel_err(&dk, &fk)?, rel_err(&dv, &fv)?]
+            .into_iter()
+            .fold(0f64, f64::max);
+        let ok = differ == 0 && gap < 2e-2 && gerr < 2e-2;
+        println!(
+            "{:<26} {:<40} rows differing: {differ}; vs default kernel max |diff| {gap:.1e}, backward rel err {gerr:.1e}  {}",
+            "bi attention",
+            format!("H {hq} Hkv {hkv}, sequences {l0} + {l1}"),
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            failures.push(format!(
+                "bi attention H {hq} Hkv {hkv}: {differ} rows differ, gap {gap:.1e}, backward {gerr:.1e}"
+            ));
+        }
+    }
+    println!(
+        "TRUE ON POLICY KERNELS VERDICT: {}",
+        if failures.is_empty() { "PASS" } else { "FAIL" }
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+    Ok(())
+}

@@ -571,3 +571,47 @@ fn abort_stops_a_running_generate_between_steps() -> Result<()> {
         .all(|o| o.token_ids.is_empty() && o.finish_reason == FinishReason::Abort));
     Ok(())
 }
+
+/// `--true-on-policy-mode` (the kernel config's batch-invariant flag): the engine's log-probs are
+/// the trainer's bit for bit, f32 and bf16, greedy and sampled (plain and top-k/top-p rows), with
+/// requests of different lengths decoding together. The CPU kernels are batch-invariant already;
+/// the mode makes the engine run the trainer's op sequence (separate q/k/v, norm and rope; the
+/// packed attention over gathered keys) and score with the trainer's LM-head kernel. The GPU half
+/// is `kernels/tests/cuda_vs_cpu.rs::true_on_policy_kernels_on_cuda` and
+/// `scripts/gpu/true_on_policy.sh`.
+#[test]
+fn true_on_policy_mode_logprobs_equal_the_trainers_bit_for_bit() -> Result<()> {
+    let inv = vime_kernels::KernelConfig::default().with_batch_invariant(true);
+    for (case, dtype) in [
+        ("untied_bias", DType::BF16),
+        ("tied_gqa", DType::F32),
+        ("untied_gqa", DType::BF16),
+    ] {
+        let dir = case_dir(case);
+        let mut model = Qwen3::load_hf(&dir, dtype, &Device::Cpu)?;
+        model.set_kernel_config(inv.clone());
+        let mut served = Qwen3::load_hf(&dir, dtype, &Device::Cpu)?;
+        served.set_kernel_config(inv.clone());
+        let eng = EmbeddedEngine::new(served, EngineOptions::for_config(model.config()))?;
+        let vocab = model.config().vocab_size;
+        let reqs: Vec<GenRequest> = (0..5)
+            .map(|i| {
+                let params = match i {
+                    0 => greedy(20),
+                    4 => SamplingParams {
+                        top_p: 0.8,
+                        top_k: 20,
+                        ..sampled(1.3, 20, 4)
+                    },
+                    _ => sampled(1.0, 20, i as u64),
+                };
+                req(&random_tokens(2 + 4 * i, vocab, 90 + i as u64), params)
+            })
+            .collect();
+        let outs = eng.generate(&reqs)?;
+        let gap = trainer_logprob_gap(&model, &reqs, &outs)?;
+        println!("{case} {dtype:?} --true-on-policy-mode: max |engine - trainer| log-prob {gap:e}");
+        assert_eq!(gap, 0.0, "{case} {dtype:?}: log-prob gap {gap:e}");
+    }
+    Ok(())
+}

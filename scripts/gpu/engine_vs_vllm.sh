@@ -9,6 +9,7 @@
 #
 # ENGINES="vllm vime" (default both; "vime" alone re-times vime against an earlier run's vLLM cells,
 # which VLLM_CELLS=FILE (a cells.jsonl) brings into the table).
+# VIME_SERVE_FLAGS="--true-on-policy-mode" adds flags to vime-serve (its cells keep the name vime).
 # SKIP="4096:256" leaves cells out (len:batch, space-separated) where the device budget does not
 # stretch; they are listed as not run. Needs gpu-carry/{device-env.sh, vime-serve.xz, COMMIT,
 # vkit/PARTS.sha256, vkit/install.sh} and the kit's parts in /tmp/vkit-parts
@@ -36,7 +37,7 @@ xz -dc gpu-carry/vime-serve.xz > "$W/vime-serve" && chmod +x "$W/vime-serve"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: MODELS=\"$MODELS\" BATCHES=$BATCHES LENS=$LENS SKIP=\"$SKIP\" ENGINES=\"$ENGINES\" VLLM_CELLS=$VLLM_CELLS scripts/gpu/engine_vs_vllm.sh $*"
+  echo "command: VIME_SERVE_FLAGS=\"${VIME_SERVE_FLAGS:-}\" MODELS=\"$MODELS\" BATCHES=$BATCHES LENS=$LENS SKIP=\"$SKIP\" ENGINES=\"$ENGINES\" VLLM_CELLS=$VLLM_CELLS scripts/gpu/engine_vs_vllm.sh $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null | tail -1
 } 2>&1 | tee "$LOG"
@@ -79,7 +80,7 @@ for m in $MODELS; do
   fi
   echo "--- $m: vime-serve" | tee -a "$LOG"
   "$W/vime-serve" "$W/$m" --port 8012 --device cuda --dtype bfloat16 --max-num-seqs 256 \
-    --max-num-batched-tokens 32768 --max-batch-size 256 > "$OUT/vime-$m.log" 2>&1 &
+    --max-num-batched-tokens 32768 --max-batch-size 256 ${VIME_SERVE_FLAGS:-} > "$OUT/vime-$m.log" 2>&1 &
   sp=$!
   if wait_health http://127.0.0.1:8012 $sp 300; then
     cells vime "$m" http://127.0.0.1:8012

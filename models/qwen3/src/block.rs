@@ -275,9 +275,10 @@ fn dw(v: &Var) -> Tensor {
     v.as_detached_tensor()
 }
 
-/// `x · W^T (+ b)`, no gradient tracking.
-pub(crate) fn linear(x: &Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor> {
-    let y = x.matmul(&dw(weight).t()?)?;
+/// `x · W^T (+ b)`, no gradient tracking; under `--true-on-policy-mode` (CUDA bf16) by the
+/// batch-invariant GEMM.
+pub(crate) fn linear(kernels: &KernelConfig, x: &Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor> {
+    let y = vime_kernels::invariant::matmul_t(x, &dw(weight), kernels)?;
     Ok(match bias {
         Some(b) => y.broadcast_add(&dw(b))?,
         None => y,
@@ -368,8 +369,8 @@ impl Block {
         let t = x.dim(0)?;
         let chunk = chunk.max(1);
         let h1 = rms_norm(x, &dw(&self.input_norm), eps)?;
-        let k = linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let v = linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let k = linear(&ctx.kernels, &h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let v = linear(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
         drop(k);
         let mut outs = Vec::with_capacity(t.div_ceil(chunk));
@@ -378,7 +379,11 @@ impl Block {
             let b = (a + chunk).min(t);
             let n = b - a;
             let pos: Arc<[u32]> = positions[a..b].into();
-            let q = linear(&h1.narrow(0, a, n)?, &self.q_proj, self.q_bias.as_ref())?.reshape((n, ctx.q_heads, d))?;
+            let q = linear(&ctx.kernels, &h1.narrow(0, a, n)?, &self.q_proj, self.q_bias.as_ref())?.reshape((
+                n,
+                ctx.q_heads,
+                d,
+            ))?;
             let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, &pos, ctx.rope_theta)?;
             drop(q);
             // Each sequence overlapping [a, b): its queries there, its keys from its start to b.
@@ -399,15 +404,18 @@ impl Block {
             let (kc, vc) = (kr.index_select(&index, 0)?, v.index_select(&index, 0)?);
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));
-            let o = linear(&attn.reshape((n, ctx.q_heads * d))?, &self.o_proj, None)?;
+            let o = linear(&ctx.kernels, &attn.reshape((n, ctx.q_heads * d))?, &self.o_proj, None)?;
             let o = match &self.o_bias {
                 Some(bias) => o.broadcast_add(&dw(bias))?,
                 None => o,
             };
             let x2 = (x.narrow(0, a, n)? + o)?;
             let h2 = rms_norm(&x2, &dw(&self.post_norm), eps)?;
-            let act = swiglu(&linear(&h2, &self.gate_proj, None)?, &linear(&h2, &self.up_proj, None)?)?;
-            outs.push((&x2 + linear(&act, &self.down_proj, None)?)?);
+            let act = swiglu(
+                &linear(&ctx.kernels, &h2, &self.gate_proj, None)?,
+                &linear(&ctx.kernels, &h2, &self.up_proj, None)?,
+            )?;
+            outs.push((&x2 + linear(&ctx.kernels, &act, &self.down_proj, None)?)?);
             a = b;
         }
         Ok(Tensor::cat(&outs, 0)?)
@@ -437,8 +445,11 @@ impl Block {
         let t = h1.dim(0)?;
         // Inference with fused weights (`crate::infer::DecodeWeights`): q|k|v and gate|up as one
         // GEMM each, the kernels below reading their heads and halves in place.
+        // `--true-on-policy-mode` runs the trainer's op sequence exactly (separate projections,
+        // separate norm and rope), so a decode row gets the trainer's bits.
+        let invariant = ctx.kernels.batch_invariant();
         let fused = match attention {
-            Attention::Cached { rows, .. } => rows.fused_layer(self.index),
+            Attention::Cached { rows, .. } if !invariant => rows.fused_layer(self.index),
             _ => None,
         };
         let (q, k, v) = if let Some((wqkv, _)) = fused {
@@ -452,12 +463,16 @@ impl Block {
         } else {
             // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
             (
-                linear(&h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
-                linear(&h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
-                linear(&h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                linear(&ctx.kernels, &h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
+                linear(&ctx.kernels, &h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                linear(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
             )
         };
-        let (qr, kr) = if let Attention::Cached { rows, .. } = attention {
+        let cached_rows = match attention {
+            Attention::Cached { rows, .. } if !invariant => Some(rows),
+            _ => None,
+        };
+        let (qr, kr) = if let Some(rows) = cached_rows {
             // Decoding: the four norm/rope kernels as one launch (the same bits).
             let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
             let pos_dev = rows.positions_dev();
@@ -474,7 +489,7 @@ impl Block {
         };
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
-        let o = sp_reduce(ctx, tp, linear(&a2, &self.o_proj, None)?)?;
+        let o = sp_reduce(ctx, tp, linear(&ctx.kernels, &a2, &self.o_proj, None)?)?;
         let o = match &self.o_bias {
             Some(b) => o.broadcast_add(&dw(b))?,
             None => o,
@@ -490,15 +505,15 @@ impl Block {
                 );
             }
             let act = vime_kernels::swiglu_packed(&h2.matmul(&wgu.t()?)?)?;
-            let y = (&x2 + sp_reduce(ctx, tp, linear(&act, &self.down_proj, None)?)?)?;
+            let y = (&x2 + sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?)?;
             return Ok((y, Kept::Nothing));
         }
         // Column-parallel gate/up (this rank's share of the intermediate size).
-        let gate = linear(&h2, &self.gate_proj, None)?;
-        let up = linear(&h2, &self.up_proj, None)?;
+        let gate = linear(&ctx.kernels, &h2, &self.gate_proj, None)?;
+        let up = linear(&ctx.kernels, &h2, &self.up_proj, None)?;
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
-        let y = (&x2 + sp_reduce(ctx, tp, linear(&act, &self.down_proj, None)?)?)?;
+        let y = (&x2 + sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?)?;
         let attn_saved = match (keep, attn_saved) {
             (Keep::Nothing, _) => return Ok((y, Kept::Nothing)),
             (Keep::Attention, Some(saved)) => return Ok((y, Kept::Attention(KeptAttention { attn, saved }))),

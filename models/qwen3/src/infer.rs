@@ -308,7 +308,8 @@ impl KvCache {
         scale: f64,
         kernels: &vime_kernels::KernelConfig,
     ) -> Result<Option<Tensor>> {
-        let Some((meta, plan)) = &rows.decode else {
+        // `--true-on-policy-mode`: the packed path, whose attention is the trainer's kernel.
+        let Some((meta, plan)) = rows.decode.as_ref().filter(|_| !kernels.batch_invariant()) else {
             return Ok(None);
         };
         self.append(layer, rows, k, v)?;
@@ -477,7 +478,8 @@ impl Qwen3 {
     /// head_dim 128 and 1-8 query heads per kv head (every Qwen3), where every op of the step is
     /// one of vime's kernels with its sizes fixed by the batch. Elsewhere some op would size its
     /// work from the step's lengths on the host (the gather of the generic decode path), which a
-    /// graph would freeze at its capture: [`Self::decode_graphed`] then runs eagerly.
+    /// graph would freeze at its capture: [`Self::decode_graphed`] then runs eagerly. Under
+    /// `--true-on-policy-mode` too: its decode step gathers the keys as the packed path does.
     pub fn graph_safe(&self) -> bool {
         let ctx = self.block_ctx();
         self.device().is_cuda()
@@ -486,6 +488,7 @@ impl Qwen3 {
             && ctx.kv_heads > 0
             && ctx.q_heads.is_multiple_of(ctx.kv_heads)
             && (1..=8).contains(&(ctx.q_heads / ctx.kv_heads))
+            && !ctx.kernels.batch_invariant()
     }
 
     /// Every layer over `x` with KV-cached attention, keeping nothing for a backward.

@@ -31,7 +31,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use vime_dist::{Collectives, ReduceOp, SingleRank};
 use vime_kernels::{
-    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, rms_norm, rms_norm_backward, KernelConfig,
+    logprobs_entropy_backward, logprobs_entropy_saved_with, logprobs_entropy_with, rms_norm, rms_norm_backward,
+    KernelConfig,
 };
 
 /// Which activations a layer keeps between its forward and its backward.
@@ -741,8 +742,13 @@ impl Qwen3 {
             )?;
             return Ok(TokenOutputs { logprobs, entropy });
         }
-        let (logprobs, entropy) =
-            logprobs_entropy(h, &self.lm_head_weight(false), &batch.targets, self.logits_chunk_tokens)?;
+        let (logprobs, entropy) = logprobs_entropy_with(
+            h,
+            &self.lm_head_weight(false),
+            &batch.targets,
+            self.logits_chunk_tokens,
+            &self.ctx.kernels,
+        )?;
         Ok(TokenOutputs { logprobs, entropy })
     }
 
@@ -999,11 +1005,12 @@ impl Qwen3 {
         let hn = rms_norm(last.as_tensor(), &w(&self.norm, true), self.cfg.rms_norm_eps)?;
         let loss = match head {
             Head::Lm(loss_fn) => {
-                let (logprobs, entropy) = logprobs_entropy(
+                let (logprobs, entropy) = logprobs_entropy_with(
                     &hn,
                     &self.lm_head_weight(true),
                     &batch.targets,
                     self.logits_chunk_tokens,
+                    &self.ctx.kernels,
                 )?;
                 loss_fn(&TokenOutputs { logprobs, entropy })?
             }
@@ -1117,7 +1124,8 @@ impl Qwen3 {
             )?;
             (lp, ent, HeadSaved::Vocab(s, shard))
         } else {
-            let (lp, ent, s) = logprobs_entropy_saved(&hn, &wlm, &batch.targets, self.logits_chunk_tokens)?;
+            let (lp, ent, s) =
+                logprobs_entropy_saved_with(&hn, &wlm, &batch.targets, self.logits_chunk_tokens, &self.ctx.kernels)?;
             (lp, ent, HeadSaved::Whole(s))
         };
         let (lpv, entv) = (Var::from_tensor(&lp)?, Var::from_tensor(&ent)?);

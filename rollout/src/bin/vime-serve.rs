@@ -93,6 +93,11 @@ struct Args {
     /// config.json alone, std 0.02, for benchmarks whose weights arrive by sync).
     #[arg(long, default_value = "auto")]
     load_format: String,
+    /// slime's flag: batch-invariant GEMMs and attention on CUDA, and every log-prob by the
+    /// trainer's LM-head kernel, so a vime trainer in the same mode computes the same log-probs
+    /// bit for bit (no CUDA graphs; slower decoding).
+    #[arg(long)]
+    true_on_policy_mode: bool,
     /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
     #[arg(long, default_value_t = 300.0)]
     weight_transfer_timeout: f64,
@@ -194,13 +199,16 @@ fn build_engine(
     device: &Device,
     opts: EngineOptions,
     dummy: bool,
+    true_on_policy: bool,
 ) -> Result<Arc<dyn RolloutEngine>> {
-    let model = if dummy {
+    let mut model = if dummy {
         let cfg = Qwen3Config::from_file(&dir.join("config.json"))?;
         Qwen3::init_random(cfg, 0.02, 0, dtype, device)?
     } else {
         Qwen3::load_hf(dir, dtype, device).with_context(|| format!("loading {}", dir.display()))?
     };
+    let kernels = model.kernel_config().clone().with_batch_invariant(true_on_policy);
+    model.set_kernel_config(kernels);
     Ok(Arc::new(EmbeddedEngine::new(model, opts)?))
 }
 
@@ -256,7 +264,8 @@ async fn main() -> Result<()> {
     };
     let engine = {
         let (dir, device) = (dir.clone(), device.clone());
-        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, dummy)).await??
+        let invariant = args.true_on_policy_mode;
+        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, dummy, invariant)).await??
     };
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -48,7 +48,7 @@ use serde_json::Value;
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use vime_kernels::testing::Rng;
 use vime_qwen3::checkpoint::{check_tensors, load_config, load_hf_weights};
 use vime_qwen3::config::Qwen3Config;
@@ -386,6 +386,7 @@ impl RolloutEngine for EmbeddedEngine {
                 .collect()
         };
         let lm_head = model.lm_head();
+        let kernels = model.block_ctx().kernels.clone();
         let mut cache = model.new_kv_cache();
         // Decode steps through captured CUDA graphs (`VIME_CUDA_GRAPHS=0`: off); prefill and
         // mixed steps, and every step off CUDA, run the plain forward.
@@ -455,7 +456,7 @@ impl RolloutEngine for EmbeddedEngine {
             phase(&mut profile, 1)?;
             // The LM head once: f32 logits (never rounded to bf16), sampled and scored from the
             // same values.
-            let logits = vime_kernels::lm_head::logits_f32(&hidden, &lm_head)?;
+            let logits = vime_kernels::lm_head::logits_f32_with(&hidden, &lm_head, &kernels)?;
             phase(&mut profile, 2)?;
             // Plain temperature sampling (and greedy) on the logits' device, one token and its
             // log-prob per row back; rows with top-k or top-p go to the host sampler.
@@ -483,6 +484,16 @@ impl RolloutEngine for EmbeddedEngine {
                     sampled[r] = sample_token(row, &requests[i].params, &mut seqs[i].rng);
                     lp[r] = vime_kernels::sample::raw_logprob(row, sampled[r]);
                 }
+            }
+            if kernels.batch_invariant() {
+                // `--true-on-policy-mode`: each token's log-prob by the trainer's own LM-head
+                // kernel on the same hidden rows (the logits GEMM again, batch-invariant), so it
+                // is the trainer's number bit for bit, not the sampler's equal-in-exact-math one.
+                let targets: Arc<[u32]> = sampled.clone().into();
+                let rows = targets.len().max(1);
+                lp = vime_kernels::logprobs_entropy_with(&hidden, &lm_head, &targets, rows, &kernels)?
+                    .0
+                    .to_vec1::<f32>()?;
             }
             phase(&mut profile, 4)?;
             running.clear();

@@ -67,6 +67,12 @@ pub struct TrainArgs {
     /// (cuDNN's attention backward).
     #[arg(long)]
     pub deterministic_mode: bool,
+    /// slime's flag: the trainer's forward passes and the built-in engine run batch-invariant
+    /// GEMMs and attention (CUDA bf16; `vime_kernels::invariant`), and the engine scores each
+    /// sampled token with the trainer's LM-head kernel, so rollout and trainer log-probs are equal
+    /// bit for bit (at TP 1 and CP 1). Costs training-forward and decoding speed.
+    #[arg(long)]
+    pub true_on_policy_mode: bool,
     /// Megatron's seed: rollout sampling, eval sampling and the critic head's init derive from it.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,

@@ -286,7 +286,8 @@ impl<'a> Run<'a> {
             vime_kernels::CudnnFailure::Fallback
         };
         let kernels =
-            crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode, on_cudnn_failure)?;
+            crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode, on_cudnn_failure)?
+                .with_batch_invariant(args.true_on_policy_mode);
         let dtype = parse_dtype(&args.dtype)?;
         let rank0 = world.rank() == 0;
         let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };
