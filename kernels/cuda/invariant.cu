@@ -12,10 +12,13 @@
 //
 // vime_bi_gemm: Y[M, N] = X[M, K] . W[N, K]^T, bf16 in, f32 accumulation, bf16 or f32 out.
 //   One 64 x 64 output tile per block of 4 warps (each 32 x 32: 2 x 2 wmma 16x16x16 fragments),
-//   K in steps of 32 through shared memory, from k = 0 up, never split. An element's value depends
+//   K in steps of 32 through shared memory, each split from its start up. An element's value depends
 //   only on its row of X, its row of W and K: the same fragment position (m % 16, n % 16) and the
 //   same sequence of mma instructions for every M, every row offset and every N-chunk that starts
-//   at a multiple of 16. Rows and columns past M, N and K are loaded as zeros.
+//   at a multiple of 16. Rows and columns past M, N and K are loaded as zeros. Split-K: grid.z
+//   splits of k_per_split (a multiple of 32) write f32 partials that vime_bi_gemm_reduce adds in
+//   split order; the caller picks the split count from (N, K) alone (a decode GEMM of few rows
+//   needs them to fill the GPU), so it too is the same for every M.
 //
 // vime_bi_attn: causal GQA attention, head_dim 128, bf16 q/k/v/out, f32 softmax; the flash
 //   kernel's layouts (q [Tq, H, 128], k/v [Tk, Hkv, 128], cu_seqlens_q/k, bottom-right causal mask)
@@ -42,8 +45,10 @@ namespace bi {
 
 // Loads a 64 x 32 tile (rows r0.., cols k0..) of a row-major [rows, K] bf16 matrix into smem,
 // zeros outside. 128 threads, 16 elements each.
-__device__ __forceinline__ void load_tile(bf16 (*dst)[BI_LDS], const bf16* __restrict__ src, int rows, int K,
-                                          int r0, int k0) {
+// `kend`: the end of this split's K range (columns at or past it load as zeros); `K`: the row
+// stride.
+__device__ __forceinline__ void load_tile(bf16 (*dst)[BI_LDS], const bf16* __restrict__ src, int rows, int kend,
+                                          int K, int r0, int k0) {
     const int t = threadIdx.x;
     const int r = t >> 1;            // 0..63
     const int c = (t & 1) * 16;      // 0 or 16
@@ -54,12 +59,12 @@ __device__ __forceinline__ void load_tile(bf16 (*dst)[BI_LDS], const bf16* __res
     for (int h = 0; h < 2; ++h) {
         const int gc = k0 + c + h * 8;
         bf16* d = &dst[r][c + h * 8];
-        if (gr < rows && vec && gc + 8 <= K) {
+        if (gr < rows && vec && gc + 8 <= kend) {
             *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src + (size_t)gr * K + gc);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                d[e] = (gr < rows && gc + e < K) ? src[(size_t)gr * K + gc + e] : zero;
+                d[e] = (gr < rows && gc + e < kend) ? src[(size_t)gr * K + gc + e] : zero;
             }
         }
     }
@@ -69,7 +74,7 @@ __device__ __forceinline__ void load_tile(bf16 (*dst)[BI_LDS], const bf16* __res
 
 extern "C" __global__ void __launch_bounds__(128)
 vime_bi_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, int M, int N, int K,
-             int ldy, int f32_out) {
+             int ldy, int f32_out, int k_per_split, float* __restrict__ part) {
     using namespace nvcuda;
     __shared__ __align__(32) bf16 xs[BI_BM][BI_LDS];
     __shared__ __align__(32) bf16 ws[BI_BN][BI_LDS];
@@ -82,9 +87,11 @@ vime_bi_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __res
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-    for (int k0 = 0; k0 < K; k0 += BI_BK) {
-        bi::load_tile(xs, x, M, K, m0, k0);
-        bi::load_tile(ws, w, N, K, n0, k0);
+    // Split blockIdx.z of gridDim.z covers K range [kb, ke); one split writes y directly.
+    const int kb = blockIdx.z * k_per_split, ke = min(K, kb + k_per_split);
+    for (int k0 = kb; k0 < ke; k0 += BI_BK) {
+        bi::load_tile(xs, x, M, ke, K, m0, k0);
+        bi::load_tile(ws, w, N, ke, K, n0, k0);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < BI_BK; kk += 16) {
@@ -111,11 +118,29 @@ vime_bi_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __res
         const int r = e / BI_BN, c = e % BI_BN;
         const int gm = m0 + r, gn = n0 + c;
         if (gm < M && gn < N) {
-            if (f32_out) {
+            if (gridDim.z > 1) {
+                part[((size_t)blockIdx.z * M + gm) * N + gn] = cs[r][c];
+            } else if (f32_out) {
                 reinterpret_cast<float*>(y)[(size_t)gm * ldy + gn] = cs[r][c];
             } else {
                 reinterpret_cast<bf16*>(y)[(size_t)gm * ldy + gn] = __float2bfloat16(cs[r][c]);
             }
+        }
+    }
+}
+
+// The splits' partial sums of vime_bi_gemm added in split order, then rounded once.
+extern "C" __global__ void vime_bi_gemm_reduce(const float* __restrict__ part, void* __restrict__ y, int M, int N,
+                                               int splits, int ldy, int f32_out) {
+    const size_t mn = (size_t)M * N;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < mn; e += (size_t)gridDim.x * blockDim.x) {
+        float acc = part[e];
+        for (int s = 1; s < splits; ++s) acc += part[(size_t)s * mn + e];
+        const size_t gm = e / N, gn = e % N;
+        if (f32_out) {
+            reinterpret_cast<float*>(y)[gm * ldy + gn] = acc;
+        } else {
+            reinterpret_cast<bf16*>(y)[gm * ldy + gn] = __float2bfloat16(acc);
         }
     }
 }

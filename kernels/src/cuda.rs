@@ -505,6 +505,7 @@ unsafe fn bi_gemm(
     k: usize,
     ldy: usize,
     f32_out: bool,
+    splits: usize,
 ) -> Result<()> {
     if m == 0 || n == 0 {
         return Ok(());
@@ -514,8 +515,10 @@ unsafe fn bi_gemm(
     if grid_y > 65_535 {
         bail!("batch-invariant GEMM: {m} rows is more than the grid takes (65535 x 64)");
     }
+    let k_per_split = k.div_ceil(splits.max(1)).div_ceil(32).max(1) * 32;
+    let splits = k.div_ceil(k_per_split).max(1);
     let c = LaunchConfig {
-        grid_dim: (n.div_ceil(64) as u32, grid_y as u32, 1),
+        grid_dim: (n.div_ceil(64) as u32, grid_y as u32, splits as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -524,13 +527,53 @@ unsafe fn bi_gemm(
         i32_of("bi_gemm", "columns", n)?,
         i32_of("bi_gemm", "depth", k)?,
     );
-    let (ldy_i, f32_i) = (i32_of("bi_gemm", "row stride", ldy)?, f32_out as i32);
-    launch!(dev, f, c, [&xp, &wp, &yp, &m_i, &n_i, &k_i, &ldy_i, &f32_i]);
+    let (ldy_i, f32_i, kps_i) = (
+        i32_of("bi_gemm", "row stride", ldy)?,
+        f32_out as i32,
+        i32_of("bi_gemm", "split", k_per_split)?,
+    );
+    if splits == 1 {
+        let none = 0u64;
+        launch!(
+            dev,
+            f,
+            c,
+            [&xp, &wp, &yp, &m_i, &n_i, &k_i, &ldy_i, &f32_i, &kps_i, &none]
+        );
+        return Ok(());
+    }
+    // Safety: the GEMM writes every partial of every split.
+    let part = unsafe { dev.alloc::<f32>(splits * m * n) }?;
+    let pp = slice_addr(&part, dev);
+    launch!(
+        dev,
+        f,
+        c,
+        [&xp, &wp, &yp, &m_i, &n_i, &k_i, &ldy_i, &f32_i, &kps_i, &pp]
+    );
+    let s_i = splits as i32;
+    let r = invariant_fn(dev, "vime_bi_gemm_reduce")?;
+    launch!(
+        dev,
+        r,
+        cfg(grid_for(m * n, 256), 256),
+        [&pp, &yp, &m_i, &n_i, &s_i, &ldy_i, &f32_i]
+    );
     Ok(())
 }
 
-/// [`crate::invariant::matmul_t`] on the device: `x [m, k] . w [n, k]^T`, bf16 (or f32) out.
-pub(crate) fn bi_matmul_t(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Tensor> {
+/// The split-K count of the batch-invariant GEMM of an `[n, k]` weight: a function of the
+/// weight's shape alone, never of the row count, so that every M sums K the same way. About 4
+/// blocks per SM of an H200 at one 64-row tile (a decode step's GEMM), at least 256 of K per
+/// split, at most 16 splits.
+pub(crate) fn bi_splits(n: usize, k: usize) -> usize {
+    let want = (528 / n.div_ceil(64).max(1)).max(1);
+    want.min((k / 256).max(1)).min(16)
+}
+
+/// [`crate::invariant::matmul_t`] on the device: `x [m, k] . w [n, k]^T`, bf16 (or f32) out, in
+/// `splits` K-splits.
+pub(crate) fn bi_matmul_t(x: &Tensor, w: &Tensor, f32_out: bool, splits: usize) -> Result<Tensor> {
     let dev = match x.device() {
         candle_core::Device::Cuda(d) => d.clone(),
         _ => bail!("batch-invariant GEMM: x must be on a CUDA device"),
@@ -553,11 +596,11 @@ pub(crate) fn bi_matmul_t(x: &Tensor, w: &Tensor, f32_out: bool) -> Result<Tenso
     if f32_out {
         // Safety: the kernel writes every element of the [m, n] output.
         let out = unsafe { dev.alloc::<f32>((m * n).max(1)) }?;
-        unsafe { bi_gemm(&dev, xp, wp, slice_addr(&out, &dev), m, n, k, n, true)? };
+        unsafe { bi_gemm(&dev, xp, wp, slice_addr(&out, &dev), m, n, k, n, true, splits)? };
         Ok(device_tensor(out, &dev, (m, n)))
     } else {
         let out = unsafe { dev.alloc::<bf16>((m * n).max(1)) }?;
-        unsafe { bi_gemm(&dev, xp, wp, slice_addr(&out, &dev), m, n, k, n, false)? };
+        unsafe { bi_gemm(&dev, xp, wp, slice_addr(&out, &dev), m, n, k, n, false, splits)? };
         Ok(device_tensor(out, &dev, (m, n)))
     }
 }
@@ -636,7 +679,8 @@ pub(crate) fn lm_head_fwd(
             let (wc, hr) = (wp + (v0 * hid * 2) as u64, hp + (row0 * hid * 2) as u64);
             if invariant {
                 // The same logits bits whatever the row count (see `crate::invariant`).
-                unsafe { bi_gemm(dev, hr, wc, lp, rows, vc, hid, vc, true)? };
+                // One split: the engine's whole-vocabulary logits GEMM must sum K alike.
+                unsafe { bi_gemm(dev, hr, wc, lp, rows, vc, hid, vc, true, 1)? };
             } else {
                 // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T
                 unsafe { gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)? };

@@ -3,7 +3,8 @@
 //!
 //! Decisions:
 //! - On CUDA (bf16) one kernel of our own (`vime_bi_gemm` in `cuda/invariant.cu`: fixed 64 x 64
-//!   tiles, K summed from 0 up in steps of 16 by the same tensor-core instructions, never split).
+//!   tiles, K summed from 0 up in steps of 16 by the same tensor-core instructions, in a split-K
+//!   count that depends on the weight's shape only).
 //!   cuBLAS chooses its kernel and split-K by the GEMM's size, so the trainer's GEMM over a whole
 //!   packed batch and the engine's GEMM over one decode row sum in different orders.
 //! - Elsewhere candle's matmul: the CPU GEMM already computes a row of the product the same way
@@ -23,7 +24,8 @@ pub fn matmul_t(x: &Tensor, w: &Tensor, kernels: &KernelConfig) -> Result<Tensor
         let dims = x.dims().to_vec();
         let k = *dims.last().unwrap_or(&0);
         let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-        let y = crate::cuda::bi_matmul_t(&x.reshape((rows, k))?, w, false)?;
+        let splits = crate::cuda::bi_splits(w.dim(0)?, k);
+        let y = crate::cuda::bi_matmul_t(&x.reshape((rows, k))?, w, false, splits)?;
         let mut out = dims;
         if let Some(last) = out.last_mut() {
             *last = w.dim(0)?;

@@ -66,7 +66,8 @@ pub fn logits_f32_with(hidden: &Tensor, lm_head: &Tensor, kernels: &KernelConfig
     #[cfg(feature = "cuda")]
     if crate::cuda::fused(hidden.device(), hidden.dtype()) && lm_head.dtype() == hidden.dtype() && n > 0 {
         if kernels.batch_invariant() {
-            return crate::cuda::bi_matmul_t(hidden, lm_head, true);
+            // One K-split, as the trainer's vocabulary-chunked GEMM in `lm_head_fwd`.
+            return crate::cuda::bi_matmul_t(hidden, lm_head, true, 1);
         }
         return crate::cuda::logits_f32(&hidden.contiguous()?, &lm_head.contiguous()?, n, v, h);
     }
