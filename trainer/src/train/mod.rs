@@ -288,6 +288,17 @@ impl<'a> Run<'a> {
         let kernels =
             crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode, on_cudnn_failure)?
                 .with_batch_invariant(args.true_on_policy_mode);
+        if args.true_on_policy_mode && world.rank() == 0 {
+            let d = world.dims();
+            if d.tp > 1 || d.cp > 1 || args.rollout_engine != "embedded" {
+                eprintln!(
+                    "vime: --true-on-policy-mode makes the trainer's and the engine's log-probs equal bit for bit only \
+                     with the built-in engine (or vime-serve with the same flag) at tp 1 and cp 1 (here tp {}, cp {}, \
+                     --rollout-engine {}): the kernels stay batch-invariant, the gap is measured as usual",
+                    d.tp, d.cp, args.rollout_engine
+                );
+            }
+        }
         let dtype = parse_dtype(&args.dtype)?;
         let rank0 = world.rank() == 0;
         let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };
