@@ -12,7 +12,8 @@
 //
 // vime_bi_gemm: Y[M, N] = X[M, K] . W[N, K]^T, bf16 in, f32 accumulation, bf16 or f32 out.
 //   One 64 x 64 output tile per block of 4 warps (each 32 x 32: 2 x 2 wmma 16x16x16 fragments),
-//   K in steps of 32 through shared memory, each split from its start up. An element's value depends
+//   K in steps of 32 through two shared-memory stages (cp.async loads the next step's tiles while
+//   this step multiplies), each split from its start up. An element's value depends
 //   only on its row of X, its row of W and K: the same fragment position (m % 16, n % 16) and the
 //   same sequence of mma instructions for every M, every row offset and every N-chunk that starts
 //   at a multiple of 16. Rows and columns past M, N and K are loaded as zeros. Split-K: grid.z
@@ -43,10 +44,19 @@ using bf16 = __nv_bfloat16;
 
 namespace bi {
 
-// Loads a 64 x 32 tile (rows r0.., cols k0..) of a row-major [rows, K] bf16 matrix into smem,
-// zeros outside. 128 threads, 16 elements each.
-// `kend`: the end of this split's K range (columns at or past it load as zeros); `K`: the row
-// stride.
+// Copies 16 bytes global -> shared without blocking (cp.async, sm80+); `bytes` 0 writes zeros.
+__device__ __forceinline__ void cp16(void* smem, const void* g, int bytes) {
+    const unsigned sp = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sp), "l"(g), "r"(bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Starts loading a 64 x 32 tile (rows r0.., cols k0..) of a row-major [rows, K] bf16 matrix into
+// smem, zeros outside: 128 threads, two 16-byte chunks each, by cp.async where a chunk is whole
+// and aligned, else by plain stores. `kend`: the end of this split's K range (columns at or past
+// it load as zeros); `K`: the row stride.
 __device__ __forceinline__ void load_tile(bf16 (*dst)[BI_LDS], const bf16* __restrict__ src, int rows, int kend,
                                           int K, int r0, int k0) {
     const int t = threadIdx.x;
@@ -54,13 +64,15 @@ __device__ __forceinline__ void load_tile(bf16 (*dst)[BI_LDS], const bf16* __res
     const int c = (t & 1) * 16;      // 0 or 16
     const int gr = r0 + r;
     const bf16 zero = __float2bfloat16(0.f);
-    const bool vec = (K % 8 == 0);
+    const bool vec = (K % 8 == 0) && ((reinterpret_cast<uintptr_t>(src) & 15) == 0);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int gc = k0 + c + h * 8;
         bf16* d = &dst[r][c + h * 8];
-        if (gr < rows && vec && gc + 8 <= kend) {
-            *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(src + (size_t)gr * K + gc);
+        if (vec && (gr >= rows || gc >= kend)) {
+            cp16(d, src, 0);
+        } else if (vec && gc + 8 <= kend) {
+            cp16(d, src + (size_t)gr * K + gc, 16);
         } else {
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
@@ -76,8 +88,9 @@ extern "C" __global__ void __launch_bounds__(128)
 vime_bi_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, int M, int N, int K,
              int ldy, int f32_out, int k_per_split, float* __restrict__ part) {
     using namespace nvcuda;
-    __shared__ __align__(32) bf16 xs[BI_BM][BI_LDS];
-    __shared__ __align__(32) bf16 ws[BI_BN][BI_LDS];
+    // Two stages: the next K-step's tiles load while this one's multiply.
+    __shared__ __align__(32) bf16 xs[2][BI_BM][BI_LDS];
+    __shared__ __align__(32) bf16 ws[2][BI_BN][BI_LDS];
     __shared__ __align__(32) float cs[BI_BM][BI_LDC];
     const int n0 = blockIdx.x * BI_BN, m0 = blockIdx.y * BI_BM;
     const int warp = threadIdx.x >> 5;
@@ -89,18 +102,30 @@ vime_bi_gemm(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __res
         for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.f);
     // Split blockIdx.z of gridDim.z covers K range [kb, ke); one split writes y directly.
     const int kb = blockIdx.z * k_per_split, ke = min(K, kb + k_per_split);
-    for (int k0 = kb; k0 < ke; k0 += BI_BK) {
-        bi::load_tile(xs, x, M, ke, K, m0, k0);
-        bi::load_tile(ws, w, N, ke, K, n0, k0);
+    if (kb < ke) {
+        bi::load_tile(xs[0], x, M, ke, K, m0, kb);
+        bi::load_tile(ws[0], w, N, ke, K, n0, kb);
+    }
+    bi::cp_commit();
+    int stage = 0;
+    for (int k0 = kb; k0 < ke; k0 += BI_BK, stage ^= 1) {
+        if (k0 + BI_BK < ke) {
+            bi::load_tile(xs[stage ^ 1], x, M, ke, K, m0, k0 + BI_BK);
+            bi::load_tile(ws[stage ^ 1], w, N, ke, K, n0, k0 + BI_BK);
+            bi::cp_commit();
+            bi::cp_wait<1>();
+        } else {
+            bi::cp_wait<0>();
+        }
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < BI_BK; kk += 16) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a[2];
             wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b[2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], &xs[wm + i * 16][kk], BI_LDS);
+            for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a[i], &xs[stage][wm + i * 16][kk], BI_LDS);
 #pragma unroll
-            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], &ws[wn + j * 16][kk], BI_LDS);
+            for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(b[j], &ws[stage][wn + j * 16][kk], BI_LDS);
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll

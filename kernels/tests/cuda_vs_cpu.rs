@@ -1217,6 +1217,27 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
         }
         let reference = x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?;
         let err = rel_err(&full.to_dtype(DType::F32)?, &reference)?;
+        // Speed at decode row counts and at 1024, against cuBLAS (printed, not asserted): the
+        // weight's bytes over the median time.
+        let mut speed = Vec::new();
+        for m in [1usize, 64, 256, big] {
+            let xm = x.narrow(0, 0, m)?.contiguous()?;
+            let bi = median_ms(&gpu, 20, &mut || {
+                vime_kernels::invariant::matmul_t(&xm, &w, &inv)?;
+                Ok(())
+            })?;
+            let cublas = median_ms(&gpu, 20, &mut || {
+                xm.matmul(&w.t()?)?;
+                Ok(())
+            })?;
+            speed.push(format!("M {m}: {bi:.3} / {cublas:.3} ms"));
+        }
+        println!(
+            "{:<26} {:<40} bi / cuBLAS: {}",
+            "bi gemm speed",
+            format!("[M, {k}] x [{n}, {k}]^T"),
+            speed.join(", ")
+        );
         let ok = differ == 0 && err < 1e-2;
         println!(
             "{:<26} {:<40} rows differing: {differ}, rel err vs f32 {err:.1e}, {ms:.2} ms  {}",
