@@ -77,7 +77,8 @@ struct Args {
     /// vLLM compatibility: accepted, no effect (the sleep endpoints come with --dev-mode).
     #[arg(long)]
     enable_sleep_mode: bool,
-    /// vLLM compatibility: accepted, no effect (vime-serve captures no CUDA graphs).
+    /// vLLM's flag: decode without CUDA graphs (by default each decode step on CUDA replays a
+    /// graph captured per batch size).
     #[arg(long)]
     enforce_eager: bool,
     /// vLLM compatibility: accepted, no effect (vime-serve answers vime's worker-extension
@@ -256,6 +257,7 @@ async fn main() -> Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         eos_token_ids: Vec::new(),
         seed: args.seed,
+        cuda_graphs: !args.enforce_eager,
     };
     let dummy = match args.load_format.as_str() {
         "auto" | "safetensors" => false,

@@ -70,6 +70,9 @@ pub struct EngineOptions {
     pub eos_token_ids: Vec<u32>,
     /// Seed of the engine's generator, which seeds the requests that bring no seed of their own.
     pub seed: u64,
+    /// Decode steps through captured CUDA graphs on CUDA (off: vime-serve's `--enforce-eager`,
+    /// as vLLM's; `VIME_CUDA_GRAPHS=0` turns them off too).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineOptions {
@@ -79,6 +82,7 @@ impl Default for EngineOptions {
             max_num_batched_tokens: 8192,
             eos_token_ids: Vec::new(),
             seed: 0,
+            cuda_graphs: true,
         }
     }
 }
@@ -391,7 +395,7 @@ impl RolloutEngine for EmbeddedEngine {
         // Decode steps through captured CUDA graphs (`VIME_CUDA_GRAPHS=0`: off); prefill and
         // mixed steps, and every step off CUDA, run the plain forward.
         let mut graphs = DecodeGraphs::from_env();
-        let use_graphs = graphs.enabled() && model.graph_safe();
+        let use_graphs = self.opts.cuda_graphs && graphs.enabled() && model.graph_safe();
         let fused = if use_graphs { self.fused_weights(&model)? } else { None };
         let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
         // Requests with a sampled token still to feed, in admission order; the slot id is the
