@@ -940,7 +940,6 @@ pub(crate) fn flash_fwd(
     check_bf16("varlen_attention", &[q.dtype(), k.dtype(), v.dtype()])?;
     let dev = &q.device;
     let (tq, h) = (lq.dims()[0], lq.dims()[1]);
-    let hkv = lk.dims()[1];
     let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
     let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
     if kernels.batch_invariant() {
@@ -951,7 +950,7 @@ pub(crate) fn flash_fwd(
     }
     #[cfg(feature = "cudnn")]
     if tq > 0 {
-        if let Some(plan) = cudnn_plan(kernels, cu_q, cu_k, h, hkv, lq.dims()[2])? {
+        if let Some(plan) = cudnn_plan(kernels, cu_q, cu_k, h, lk.dims()[1], lq.dims()[2])? {
             let ptrs = crate::cudnn::Ptrs {
                 q: addr::<bf16>(q, lq, "varlen_attention")?,
                 k: addr::<bf16>(k, lk, "varlen_attention")?,
@@ -971,19 +970,6 @@ pub(crate) fn flash_fwd(
     }
     let g = seq_grid(cu_q, cu_k);
     if tq > 0 && g.max_lq > 0 {
-        let (cq, ck) = (upload_u32_cached(dev, cu_q)?, upload_u32_cached(dev, cu_k)?);
-        let (qp, kp, vp) = (
-            addr::<bf16>(q, lq, "varlen_attention")?,
-            addr::<bf16>(k, lk, "varlen_attention")?,
-            addr::<bf16>(v, lv, "varlen_attention")?,
-        );
-        let (op, lp, cqp, ckp) = (
-            slice_addr(&out, dev),
-            slice_addr(&lse, dev),
-            slice_addr(&*cq, dev),
-            slice_addr(&*ck, dev),
-        );
-        let (tq_i, h_i, hkv_i, scale_f) = (tq as i32, h as i32, hkv as i32, scale as f32);
         let f = flash_fn(dev, "vime_flash_fwd")?;
         set_smem(&f, FLASH_FWD_SMEM)?;
         let cfg = LaunchConfig {
@@ -991,12 +977,7 @@ pub(crate) fn flash_fwd(
             block_dim: (FLASH_FWD_THREADS, 1, 1),
             shared_mem_bytes: FLASH_FWD_SMEM,
         };
-        launch!(
-            dev,
-            f,
-            cfg,
-            [&qp, &kp, &vp, &op, &lp, &cqp, &ckp, &tq_i, &h_i, &hkv_i, &scale_f]
-        );
+        launch_attention_fwd(&f, cfg, (q, lq), (k, lk), (v, lv), cu_q, cu_k, scale, &out, &lse)?;
     }
     *saved.0.lock().unwrap() = Some((lse, None));
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
@@ -1041,6 +1022,32 @@ fn bi_attention(
             g.max_lq
         );
     }
+    let f = invariant_fn(dev, "vime_bi_attn")?;
+    let c = LaunchConfig {
+        grid_dim: (g.max_lq as u32, hkv as u32, g.n),
+        block_dim: (32 * group as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch_attention_fwd(&f, c, (q, lq), (k, lk), (v, lv), cu_q, cu_k, scale, out, lse)
+}
+
+/// Launches an attention forward kernel of the flash kernel's signature (`vime_flash_fwd`,
+/// `vime_bi_attn`): q, k, v, out, lse, cu_seqlens_q/k, Tq, H, Hkv, scale.
+#[allow(clippy::too_many_arguments)]
+fn launch_attention_fwd(
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, lq): (&CudaStorage, &Layout),
+    (k, lk): (&CudaStorage, &Layout),
+    (v, lv): (&CudaStorage, &Layout),
+    cu_q: &[u32],
+    cu_k: &[u32],
+    scale: f64,
+    out: &CudaSlice<bf16>,
+    lse: &CudaSlice<f32>,
+) -> Result<()> {
+    let dev = &q.device;
+    let (tq, h, hkv) = (lq.dims()[0], lq.dims()[1], lk.dims()[1]);
     let (cq, ck) = (upload_u32_cached(dev, cu_q)?, upload_u32_cached(dev, cu_k)?);
     let (qp, kp, vp) = (
         addr::<bf16>(q, lq, "varlen_attention")?,
@@ -1054,16 +1061,10 @@ fn bi_attention(
         slice_addr(&*ck, dev),
     );
     let (tq_i, h_i, hkv_i, scale_f) = (tq as i32, h as i32, hkv as i32, scale as f32);
-    let f = invariant_fn(dev, "vime_bi_attn")?;
-    let c = LaunchConfig {
-        grid_dim: (g.max_lq as u32, hkv as u32, g.n),
-        block_dim: (32 * group as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
     launch!(
         dev,
         f,
-        c,
+        cfg,
         [&qp, &kp, &vp, &op, &lp, &cqp, &ckp, &tq_i, &h_i, &hkv_i, &scale_f]
     );
     Ok(())

@@ -1028,6 +1028,9 @@ fn check_graph_replay(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
 }
 
 /// The largest `|a - b|` over two tensors of one shape (any dtype, either device), in f32.
+/// The GEMMs of Qwen3-4B's layers, (out, in) as HF stores the weights: q, k/v, o, gate/up, down.
+const QWEN3_4B_GEMMS: [(usize, usize); 5] = [(4096, 2560), (1024, 2560), (2560, 4096), (9728, 2560), (2560, 9728)];
+
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     (a.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)?
         .abs()?
@@ -1064,14 +1067,7 @@ fn batch_invariance_on_cuda() -> Result<()> {
     let mut rng = Rng::new(77);
     let big = 4096usize;
     let mut failures = Vec::new();
-    // GEMMs of Qwen3-4B's layers (out, in): q, k/v, o, gate/up, down.
-    for (n, k) in [
-        (4096usize, 2560usize),
-        (1024, 2560),
-        (2560, 4096),
-        (9728, 2560),
-        (2560, 9728),
-    ] {
+    for (n, k) in QWEN3_4B_GEMMS {
         let x = rng.randn(&[big, k], 1.0, DType::BF16, &gpu)?;
         let w = rng.randn(&[n, k], 0.02, DType::BF16, &gpu)?;
         let full = x.matmul(&w.t()?)?;
@@ -1196,14 +1192,7 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
     let inv = vime_kernels::KernelConfig::default().with_batch_invariant(true);
     let plain = vime_kernels::KernelConfig::default();
     let big = 1024usize;
-    for (n, k) in [
-        (4096usize, 2560usize),
-        (1024, 2560),
-        (2560, 4096),
-        (9728, 2560),
-        (2560, 9728),
-        (100, 72),
-    ] {
+    for (n, k) in QWEN3_4B_GEMMS.into_iter().chain([(100, 72)]) {
         let x = rng.randn(&[big, k], 1.0, DType::BF16, &gpu)?;
         let w = rng.randn(&[n, k], 0.02, DType::BF16, &gpu)?;
         let t0 = Instant::now();
