@@ -21,21 +21,9 @@ use candle_core::{Result, Tensor};
 pub fn matmul_t(x: &Tensor, w: &Tensor, kernels: &KernelConfig) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if kernels.batch_invariant() && crate::cuda::fused(x.device(), x.dtype()) && w.dtype() == x.dtype() {
-        let dims = x.dims().to_vec();
-        let k = *dims.last().unwrap_or(&0);
-        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-        let splits = crate::cuda::bi_splits(w.dim(0)?, k);
-        let y = crate::cuda::bi_matmul_t(&x.reshape((rows, k))?, w, false, splits)?;
-        let mut out = dims;
-        if let Some(last) = out.last_mut() {
-            *last = w.dim(0)?;
-        }
-        return y.reshape(out);
+        let (n, k) = w.dims2()?;
+        return crate::cuda::bi_matmul_t(x, w, false, crate::cuda::bi_splits(n, k));
     }
     let _ = kernels;
-    if x.rank() == 2 {
-        x.matmul(&w.t()?)
-    } else {
-        x.broadcast_matmul(&w.t()?)
-    }
+    x.matmul(&w.t()?)
 }

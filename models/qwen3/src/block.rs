@@ -447,11 +447,11 @@ impl Block {
         // GEMM each, the kernels below reading their heads and halves in place.
         // `--true-on-policy-mode` runs the trainer's op sequence exactly (separate projections,
         // separate norm and rope), so a decode row gets the trainer's bits.
-        let invariant = ctx.kernels.batch_invariant();
-        let fused = match attention {
-            Attention::Cached { rows, .. } if !invariant => rows.fused_layer(self.index),
+        let decode_rows = match attention {
+            Attention::Cached { rows, .. } if !ctx.kernels.batch_invariant() => Some(*rows),
             _ => None,
         };
+        let fused = decode_rows.and_then(|rows| rows.fused_layer(self.index));
         let (q, k, v) = if let Some((wqkv, _)) = fused {
             let (hq, hkv) = (ctx.q_heads, ctx.kv_heads);
             let qkv = h1.matmul(&wqkv.t()?)?.reshape((t, hq + 2 * hkv, d))?;
@@ -468,11 +468,7 @@ impl Block {
                 linear(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
             )
         };
-        let cached_rows = match attention {
-            Attention::Cached { rows, .. } if !invariant => Some(rows),
-            _ => None,
-        };
-        let (qr, kr) = if let Some(rows) = cached_rows {
+        let (qr, kr) = if let Some(rows) = decode_rows {
             // Decoding: the four norm/rope kernels as one launch (the same bits).
             let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
             let pos_dev = rows.positions_dev();

@@ -459,7 +459,7 @@ impl RolloutEngine for EmbeddedEngine {
             };
             phase(&mut profile, 1)?;
             // The LM head once: f32 logits (never rounded to bf16), sampled and scored from the
-            // same values.
+            // same values (`--true-on-policy-mode` scores them again below, the trainer's way).
             let logits = vime_kernels::lm_head::logits_f32_with(&hidden, &lm_head, &kernels)?;
             phase(&mut profile, 2)?;
             // Plain temperature sampling (and greedy) on the logits' device, one token and its
@@ -472,7 +472,13 @@ impl RolloutEngine for EmbeddedEngine {
                     .iter()
                     .map(|&i| requests[i].params.inverse_temperature())
                     .collect();
-                vime_kernels::sample::sample_gumbel_logprobs(&logits, &seeds, &counters, &inv_t)?
+                if kernels.batch_invariant() {
+                    // Scored below, by the trainer's kernel.
+                    let toks = vime_kernels::sample::sample_gumbel(&logits, &seeds, &counters, &inv_t)?;
+                    (toks, vec![0.0; order.len()])
+                } else {
+                    vime_kernels::sample::sample_gumbel_logprobs(&logits, &seeds, &counters, &inv_t)?
+                }
             } else {
                 (vec![0; order.len()], vec![0.0; order.len()])
             };
@@ -486,7 +492,9 @@ impl RolloutEngine for EmbeddedEngine {
                 for (&r, row) in host.iter().zip(&rows) {
                     let i = order[r];
                     sampled[r] = sample_token(row, &requests[i].params, &mut seqs[i].rng);
-                    lp[r] = vime_kernels::sample::raw_logprob(row, sampled[r]);
+                    if !kernels.batch_invariant() {
+                        lp[r] = vime_kernels::sample::raw_logprob(row, sampled[r]);
+                    }
                 }
             }
             if kernels.batch_invariant() {
