@@ -11,19 +11,26 @@
 //   k, v pools : [capacity, Hkv * 128] bf16, contiguous (one row per cached position)
 //   rows       : u32; the keys of sequence b are pool rows rows[cu_k[b] .. cu_k[b+1]] in position order
 //   cu_k       : B+2 u32: B+1 prefix offsets into rows, then the split length `chunk` (keys per
-//                split, a multiple of 64). On the device so that a captured CUDA graph replays
+//                split, a multiple of 32). On the device so that a captured CUDA graph replays
 //                with each step's lengths: the grid's split count is fixed per graph, the chunk
 //                is not; splits past a sequence's end find no keys and weigh nothing.
 //   part_o     : [B, H, splits, 128] f32, part_lse: [B, H, splits] f32 (log2 domain), only when splits > 1
 // The query is the sequence's last position, so it sees every key of its sequence.
 //
 // Grid (splits, Hkv, B), block 128 (4 warps). A block owns the G = H / Hkv query heads of one kv
-// head and keys [split * chunk, (split + 1) * chunk) of one sequence. Within a warp, lane group
-// lane >> 3 (4 groups of 8 lanes) takes one key at a time and each lane of a group 16 of the 128
-// dims; a warp covers 16 keys per iteration (4 per group, loaded before use). Each group keeps its
-// own online softmax (running max, sum, 16 x G accumulators); groups are merged with shuffles,
-// warps through shared memory. With one split the block writes the bf16 output; otherwise its
-// normalised partial output and log-sum-exp, which vime_decode_combine merges.
+// head and keys [split * chunk, (split + 1) * chunk) of one sequence. Within a warp, each half
+// (lanes 0-15, 16-31) takes one key at a time and each of its lanes 8 of the 128 dims (one 16-byte
+// load of K and one of V); a warp covers 2 x VD_TILE = 8 keys per iteration, loaded before use.
+// Each half keeps its own online softmax (running max, sum, 8 x G accumulators); the halves are
+// merged with shuffles, the warps through shared memory. With one split the block writes the bf16
+// output; otherwise its normalised partial output and log-sum-exp, which vime_decode_combine
+// merges.
+//
+// Why 8 dims a lane (not 16): 16 dims a lane held 2 x 16 x G f32 of query and accumulators plus
+// 16 KV loads in flight, 248 registers at G = 4, so 2 blocks an SM; a decode step's blocks each see
+// only a few hundred keys, so the kernel was latency-bound at ~1 TB/s (Nsight Compute, Qwen3-4B,
+// batch 64, ~150 keys: 38 us a layer for 39 MB). At 8 dims a lane the kernel fits 4 blocks an SM
+// (launch bounds) at G <= 4, one more shuffle per dot product.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -34,25 +41,10 @@
 
 namespace vd {
 
-__device__ __forceinline__ void load16(const __nv_bfloat16* p, float* f) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const uint4 b = *reinterpret_cast<const uint4*>(p + 8);
-    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
-    const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+__device__ __forceinline__ void cvt8(const uint4 raw, float* f) {
+    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        float2 u = __bfloat1622float2(x[i]), w = __bfloat1622float2(y[i]);
-        f[2 * i] = u.x;
-        f[2 * i + 1] = u.y;
-        f[8 + 2 * i] = w.x;
-        f[8 + 2 * i + 1] = w.y;
-    }
-}
-
-__device__ __forceinline__ void cvt16(const uint4* raw, float* f) {
-    const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
         float2 u = __bfloat1622float2(x[i]);
         f[2 * i] = u.x;
         f[2 * i + 1] = u.y;
@@ -76,60 +68,60 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
     const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
     const int chunk = (int)cu_k[gridDim.z + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kq = lane >> 3, sl = lane & 7;
+    const int kq = lane >> 4, sl = lane & 15;
     const unsigned k0 = cu_k[b];
     const int len = (int)(cu_k[b + 1] - k0);
     const int start = split * chunk, end = min(start + chunk, len);
     const size_t width = (size_t)kv_heads * VD_D;
-    const __nv_bfloat16* kb = kpool + (size_t)g * VD_D + sl * 16;
-    const __nv_bfloat16* vb = vpool + (size_t)g * VD_D + sl * 16;
+    const __nv_bfloat16* kb = kpool + (size_t)g * VD_D + sl * 8;
+    const __nv_bfloat16* vb = vpool + (size_t)g * VD_D + sl * 8;
 
-    float qf[G][16];
+    float qf[G][8];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
-        load16(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 16, qf[h]);
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 8);
+        cvt8(raw, qf[h]);
 #pragma unroll
-        for (int i = 0; i < 16; ++i) qf[h][i] *= scale_log2;
+        for (int i = 0; i < 8; ++i) qf[h][i] *= scale_log2;
     }
-    float m[G], l[G], acc[G][16];
+    float m[G], l[G], acc[G][8];
 #pragma unroll
     for (int h = 0; h < G; ++h) {
         m[h] = -INFINITY;
         l[h] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) acc[h][i] = 0.f;
+        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
     }
 
-    for (int j0 = start + warp * (4 * VD_TILE); j0 < end; j0 += VD_WARPS * 4 * VD_TILE) {
-        uint4 kr[VD_TILE][2], vr[VD_TILE][2];
+    for (int j0 = start + warp * (2 * VD_TILE); j0 < end; j0 += VD_WARPS * 2 * VD_TILE) {
+        uint4 kr[VD_TILE], vr[VD_TILE];
         bool ok[VD_TILE];
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
-            const int j = j0 + t * 4 + kq;
+            const int j = j0 + t * 2 + kq;
             ok[t] = j < end;
             if (ok[t]) {
                 const size_t row = (size_t)rows[k0 + j] * width;
-                kr[t][0] = *reinterpret_cast<const uint4*>(kb + row);
-                kr[t][1] = *reinterpret_cast<const uint4*>(kb + row + 8);
-                vr[t][0] = *reinterpret_cast<const uint4*>(vb + row);
-                vr[t][1] = *reinterpret_cast<const uint4*>(vb + row + 8);
+                kr[t] = *reinterpret_cast<const uint4*>(kb + row);
+                vr[t] = *reinterpret_cast<const uint4*>(vb + row);
             } else {
-                kr[t][0] = kr[t][1] = vr[t][0] = vr[t][1] = make_uint4(0, 0, 0, 0);
+                kr[t] = vr[t] = make_uint4(0, 0, 0, 0);
             }
         }
         float s[VD_TILE][G];
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
-            float kf[16];
-            cvt16(kr[t], kf);
+            float kf[8];
+            cvt8(kr[t], kf);
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 float d = 0.f;
 #pragma unroll
-                for (int i = 0; i < 16; ++i) d = fmaf(qf[h][i], kf[i], d);
+                for (int i = 0; i < 8; ++i) d = fmaf(qf[h][i], kf[i], d);
                 d += __shfl_xor_sync(0xffffffff, d, 1);
                 d += __shfl_xor_sync(0xffffffff, d, 2);
                 d += __shfl_xor_sync(0xffffffff, d, 4);
+                d += __shfl_xor_sync(0xffffffff, d, 8);
                 s[t][h] = ok[t] ? d : -INFINITY;
             }
         }
@@ -138,54 +130,51 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
             float mt = m[h];
 #pragma unroll
             for (int t = 0; t < VD_TILE; ++t) mt = fmaxf(mt, s[t][h]);
-            if (mt == -INFINITY) continue;  // no valid key for this group yet
+            if (mt == -INFINITY) continue;  // no valid key for this half yet
             const float c = rescale(m[h], mt);
             l[h] *= c;
 #pragma unroll
-            for (int i = 0; i < 16; ++i) acc[h][i] *= c;
+            for (int i = 0; i < 8; ++i) acc[h][i] *= c;
             m[h] = mt;
         }
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
-            float vf[16];
-            cvt16(vr[t], vf);
+            float vf[8];
+            cvt8(vr[t], vf);
 #pragma unroll
             for (int h = 0; h < G; ++h) {
                 const float p = ok[t] ? exp2f(s[t][h] - m[h]) : 0.f;
                 l[h] += p;
 #pragma unroll
-                for (int i = 0; i < 16; ++i) acc[h][i] = fmaf(p, vf[i], acc[h][i]);
+                for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(p, vf[i], acc[h][i]);
             }
         }
     }
 
-    // Merge the 4 lane groups of the warp (lanes sl, sl+8, sl+16, sl+24 hold the same dims).
+    // Merge the two halves of the warp (lanes sl and sl + 16 hold the same dims).
 #pragma unroll
-    for (int off = 8; off <= 16; off <<= 1) {
+    for (int h = 0; h < G; ++h) {
+        const float mo = __shfl_xor_sync(0xffffffff, m[h], 16);
+        const float lo = __shfl_xor_sync(0xffffffff, l[h], 16);
+        const float mm = fmaxf(m[h], mo);
+        const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
+        l[h] = l[h] * ca + lo * cb;
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            const float mo = __shfl_xor_sync(0xffffffff, m[h], off);
-            const float lo = __shfl_xor_sync(0xffffffff, l[h], off);
-            const float mm = fmaxf(m[h], mo);
-            const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
-            l[h] = l[h] * ca + lo * cb;
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], off);
-                acc[h][i] = acc[h][i] * ca + ao * cb;
-            }
-            m[h] = mm;
+        for (int i = 0; i < 8; ++i) {
+            const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], 16);
+            acc[h][i] = acc[h][i] * ca + ao * cb;
         }
+        m[h] = mm;
     }
 
-    // Merge the warps through shared memory: warp w's lanes 0..7 write their 16 dims.
+    // Merge the warps through shared memory: warp w's lanes 0..15 write their 8 dims.
     __shared__ float s_acc[VD_WARPS][G][VD_D];
     __shared__ float s_m[VD_WARPS][G], s_l[VD_WARPS][G];
     if (kq == 0) {
 #pragma unroll
         for (int h = 0; h < G; ++h) {
 #pragma unroll
-            for (int i = 0; i < 16; ++i) s_acc[warp][h][sl * 16 + i] = acc[h][i];
+            for (int i = 0; i < 8; ++i) s_acc[warp][h][sl * 8 + i] = acc[h][i];
             if (sl == 0) {
                 s_m[warp][h] = m[h];
                 s_l[warp][h] = l[h];
@@ -226,7 +215,8 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
         float *__restrict__ part_o, float *__restrict__ part_lse, int heads, int kv_heads,       \
         float scale_log2
 #define VD_KERNEL(G)                                                                             \
-    extern "C" __global__ void __launch_bounds__(VD_THREADS) vime_decode_attn_g##G(VD_ARGS) {   \
+    extern "C" __global__ void __launch_bounds__(VD_THREADS, (G) <= 4 ? 4 : 2)                  \
+        vime_decode_attn_g##G(VD_ARGS) {                                                         \
         vd::decode_impl<G>(q, kpool, vpool, rows, cu_k, out, part_o, part_lse, heads, kv_heads,  \
                            scale_log2);                                                   \
     }

@@ -16,13 +16,13 @@ use std::sync::Arc;
 
 /// Blocks the CUDA decode kernel aims for: [`crate::config::GPU_FILL_BLOCKS`].
 const TARGET_BLOCKS: usize = crate::config::GPU_FILL_BLOCKS;
-/// Keys a decode block covers per iteration (4 warps x 16): a split's length is a multiple.
-const KEYS_PER_ITER: usize = 64;
+/// Keys a decode block covers per iteration (4 warps x 8): a split's length is a multiple.
+const KEYS_PER_ITER: usize = 32;
 /// Most splits a fixed plan ([`SplitPlan::fixed`]) uses.
 const MAX_FIXED_SPLITS: usize = 128;
 
 /// How the CUDA decode kernel divides each sequence's keys: `splits` blocks per (sequence, kv
-/// head), each over `chunk` consecutive keys (a multiple of 64). Splits past a sequence's end
+/// head), each over `chunk` consecutive keys (a multiple of 32). Splits past a sequence's end
 /// find no keys and weigh nothing in the merge, so any plan whose `splits x chunk` covers the
 /// longest sequence gives the same attention; the plan only sets the reduction's grouping.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

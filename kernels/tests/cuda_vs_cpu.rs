@@ -732,6 +732,50 @@ fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     Ok(())
 }
 
+/// How fast the decode kernel reads the KV cache at Qwen3-4B's heads (32 query, 8 kv, d 128),
+/// with a captured graph's fixed plan, every sequence at the same length, pool rows scattered: the
+/// median of 20 timings of 10 back-to-back calls (host-timed, synchronised), and the K + V bytes
+/// read per second against the H200's ~4.8 TB/s. Printed, not asserted (a measurement).
+fn time_decode_attention(gpu: &Device, rng: &mut Rng) -> Result<()> {
+    let (heads, hkv, d) = (32usize, 8usize, 128usize);
+    for (b, len) in [
+        (64usize, 160usize),
+        (64, 1024),
+        (64, 2048),
+        (64, 4096),
+        (256, 160),
+        (16, 2048),
+    ] {
+        let total = b * len;
+        let cap = (total + 1024).next_power_of_two();
+        let kp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, gpu)?;
+        let vp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, gpu)?;
+        let q = rng.randn(&[b, heads, d], 1.0, DType::BF16, gpu)?;
+        let rows: Vec<u32> = (0..total).map(|i| ((i * 2_654_435_761 + 11) % cap) as u32).collect();
+        let rows_t = Tensor::from_vec(rows, total, gpu)?;
+        let cu: Arc<[u32]> = (0..=b).map(|i| (i * len) as u32).collect();
+        let plan = SplitPlan::fixed(b, hkv, len);
+        let meta = plan.device_meta(&cu);
+        let meta_t = Tensor::from_vec(meta.clone(), meta.len(), gpu)?;
+        let kernels = vime_kernels::KernelConfig::default();
+        let ms = median_ms(gpu, 20, &mut || {
+            for _ in 0..10 {
+                vime_kernels::decode::decode_attention(&q, &kp, &vp, &rows_t, &cu, &meta_t, plan, 0.088, &kernels)?;
+            }
+            Ok(())
+        })? / 10.0;
+        let bytes = (total * hkv * d * 2 * 2) as f64;
+        println!(
+            "{:<26} {:<52} {:.1} us a call, {:.2} TB/s of K + V",
+            "decode_attention speed",
+            format!("B {b} x {len} keys, H {heads} Hkv {hkv}, splits {}", plan.splits),
+            ms * 1e3,
+            bytes / (ms * 1e-3) / 1e12
+        );
+    }
+    Ok(())
+}
+
 /// The decode step's fused launches: `qk_norm_rope` against the four kernels it replaces on the
 /// same device (bit for bit) and against the CPU (bf16 bound); `write_rows2` against two
 /// `write_rows` on the CPU (bit for bit).
@@ -918,6 +962,7 @@ fn engine_ops_on_cuda_match_the_cpu() -> Result<()> {
         failures.push(format!("write_rows: max abs diff {diff:e}"));
     }
     check_decode_attention(&gpu, &mut rng, &mut failures)?;
+    time_decode_attention(&gpu, &mut rng)?;
     check_fused_decode_ops(&gpu, &mut rng, &mut failures)?;
     check_graph_replay(&gpu, &mut rng, &mut failures)?;
     println!(

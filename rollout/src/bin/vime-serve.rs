@@ -258,6 +258,7 @@ async fn main() -> Result<()> {
         eos_token_ids: Vec::new(),
         seed: args.seed,
         cuda_graphs: !args.enforce_eager,
+        ..EngineOptions::default()
     };
     let dummy = match args.load_format.as_str() {
         "auto" | "safetensors" => false,

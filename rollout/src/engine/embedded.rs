@@ -28,9 +28,9 @@
 //!   (`Qwen3::decode_graphed`: the batch padded to vLLM's capture sizes, per-step inputs in fixed
 //!   device buffers): the step was host-bound, ~500 kernel launches for 2.8 ms of GPU work at
 //!   batch 64 (0.6B). Steps that admit prompts run the plain forward. `VIME_CUDA_GRAPHS=0` turns
-//!   graphs off. With `VIME_FUSED_DECODE=1` (opt-in: its GPU check has not run yet) the graphs
-//!   run each layer's q|k|v and gate|up projections as one GEMM each (`Qwen3::decode_weights`,
-//!   a copy of ~3/4 of the layer weights, made again after each weight update).
+//!   graphs off. The graphs run each layer's q|k|v and gate|up projections as one GEMM each
+//!   (`Qwen3::decode_weights`, a copy of ~3/4 of the layer weights, made again after each weight
+//!   update; [`EngineOptions::fused_decode`], `VIME_FUSED_DECODE=0` turns it off).
 //! - Stopping, in vLLM's `check_stop` order: an EOS id or a `stop_token_ids` id ends with `Stop`
 //!   (the id is kept); then `max_tokens` generated, or prompt + output reaching
 //!   `max_position_embeddings` (vLLM's `max_model_len`), ends with `Length`.
@@ -73,6 +73,11 @@ pub struct EngineOptions {
     /// Decode steps through captured CUDA graphs on CUDA (off: vime-serve's `--enforce-eager`,
     /// as vLLM's; `VIME_CUDA_GRAPHS=0` turns them off too).
     pub cuda_graphs: bool,
+    /// The CUDA decode graphs run each layer's q|k|v and gate|up projections as one GEMM each,
+    /// from a fused copy of those weights (`Qwen3::decode_weights`: ~3/4 of the layer weights
+    /// again, 4.7 GB at Qwen3-4B, remade after each weight update). On by default;
+    /// `VIME_FUSED_DECODE=0` turns it off too.
+    pub fused_decode: bool,
 }
 
 impl Default for EngineOptions {
@@ -83,6 +88,7 @@ impl Default for EngineOptions {
             eos_token_ids: Vec::new(),
             seed: 0,
             cuda_graphs: true,
+            fused_decode: true,
         }
     }
 }
@@ -189,11 +195,12 @@ impl EmbeddedEngine {
     }
 
     /// The fused decode weights of `model` at the current weight version (made on first use
-    /// after a change), with `VIME_FUSED_DECODE=1`; `None` otherwise or for models with attention
-    /// biases. Opt-in until the GPU check of its strided kernels (`engine_ops` in
-    /// `kernels/tests/cuda_vs_cpu.rs`, "fused qkv / gate-up views") has passed on a GPU.
+    /// after a change), with [`EngineOptions::fused_decode`]; `None` without it, with
+    /// `VIME_FUSED_DECODE=0`, or for models with attention biases. Their strided kernels are held
+    /// to the contiguous ones on the GPU by `engine_ops` in `kernels/tests/cuda_vs_cpu.rs`
+    /// ("fused qkv / gate-up views", bit for bit).
     fn fused_weights(&self, model: &Qwen3) -> Result<Option<DecodeWeights>> {
-        if !std::env::var("VIME_FUSED_DECODE").is_ok_and(|v| v == "1") {
+        if !self.opts.fused_decode || std::env::var("VIME_FUSED_DECODE").is_ok_and(|v| v == "0") {
             return Ok(None);
         }
         let version = self.weight_version.load(Ordering::SeqCst);
