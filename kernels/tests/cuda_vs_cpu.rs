@@ -738,18 +738,20 @@ fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
 /// read per second against the H200's ~4.8 TB/s. Printed, not asserted (a measurement).
 fn time_decode_attention(gpu: &Device, rng: &mut Rng) -> Result<()> {
     let (heads, hkv, d) = (32usize, 8usize, 128usize);
-    for (b, len) in [
+    let shapes = [
         (64usize, 160usize),
         (64, 1024),
         (64, 2048),
         (64, 4096),
         (256, 160),
         (16, 2048),
-    ] {
+    ];
+    // One pool for every shape, drawn on the device (the host generator takes minutes at this size).
+    let cap = (shapes.iter().map(|&(b, l)| b * l).max().unwrap_or(0) + 1024).next_power_of_two();
+    let pool = || -> Result<Tensor> { Tensor::randn(0f32, 1f32, (cap, hkv * d), gpu)?.to_dtype(DType::BF16) };
+    let (kp, vp) = (pool()?, pool()?);
+    for (b, len) in shapes {
         let total = b * len;
-        let cap = (total + 1024).next_power_of_two();
-        let kp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, gpu)?;
-        let vp = rng.randn(&[cap, hkv * d], 1.0, DType::BF16, gpu)?;
         let q = rng.randn(&[b, heads, d], 1.0, DType::BF16, gpu)?;
         let rows: Vec<u32> = (0..total).map(|i| ((i * 2_654_435_761 + 11) % cap) as u32).collect();
         let rows_t = Tensor::from_vec(rows, total, gpu)?;
@@ -768,7 +770,10 @@ fn time_decode_attention(gpu: &Device, rng: &mut Rng) -> Result<()> {
         println!(
             "{:<26} {:<52} {:.1} us a call, {:.2} TB/s of K + V",
             "decode_attention speed",
-            format!("B {b} x {len} keys, H {heads} Hkv {hkv}, splits {}", plan.splits),
+            format!(
+                "B {b} x {len} keys, H {heads} Hkv {hkv}, splits {} x {}",
+                plan.splits, plan.chunk
+            ),
             ms * 1e3,
             bytes / (ms * 1e-3) / 1e12
         );
