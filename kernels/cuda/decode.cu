@@ -30,8 +30,7 @@
 // 16 KV loads in flight, 248 registers at G = 4, so 2 blocks an SM; a decode step's blocks each see
 // only a few hundred keys, so the kernel was latency-bound at ~1 TB/s (Nsight Compute, Qwen3-4B,
 // batch 64, ~150 keys: 38 us a layer for 39 MB). At 8 dims a lane the kernel fits 4 blocks an SM
-// (launch bounds) at G <= 4, one more shuffle per dot product. The loads are double-buffered in
-// registers (below), 3 blocks an SM at G <= 4.
+// (launch bounds) at G <= 4, one more shuffle per dot product.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -94,14 +93,14 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
         for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
     }
 
-    // Register double buffering: the loads of a warp's next keys (their row indices, then K and
-    // V) are issued before the current keys are used, so a load's latency (two dependent loads)
-    // overlaps a step's arithmetic instead of adding to it.
-    auto load = [&](uint4 (&kr)[VD_TILE], uint4 (&vr)[VD_TILE], int j0) {
+    for (int j0 = start + warp * (2 * VD_TILE); j0 < end; j0 += VD_WARPS * 2 * VD_TILE) {
+        uint4 kr[VD_TILE], vr[VD_TILE];
+        bool ok[VD_TILE];
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
             const int j = j0 + t * 2 + kq;
-            if (j < end) {
+            ok[t] = j < end;
+            if (ok[t]) {
                 const size_t row = (size_t)rows[k0 + j] * width;
                 kr[t] = *reinterpret_cast<const uint4*>(kb + row);
                 vr[t] = *reinterpret_cast<const uint4*>(vb + row);
@@ -109,13 +108,9 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
                 kr[t] = vr[t] = make_uint4(0, 0, 0, 0);
             }
         }
-    };
-    auto step = [&](const uint4 (&kr)[VD_TILE], const uint4 (&vr)[VD_TILE], int j0) {
-        bool ok[VD_TILE];
         float s[VD_TILE][G];
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
-            ok[t] = j0 + t * 2 + kq < end;
             float kf[8];
             cvt8(kr[t], kf);
 #pragma unroll
@@ -154,17 +149,6 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
                 for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(p, vf[i], acc[h][i]);
             }
         }
-    };
-    const int stride = VD_WARPS * 2 * VD_TILE;
-    uint4 ka[VD_TILE], va[VD_TILE], kn[VD_TILE], vn[VD_TILE];
-    int j0 = start + warp * (2 * VD_TILE);
-    if (j0 < end) load(ka, va, j0);
-    for (; j0 < end; j0 += 2 * stride) {
-        if (j0 + stride < end) load(kn, vn, j0 + stride);
-        step(ka, va, j0);
-        if (j0 + stride >= end) break;
-        if (j0 + 2 * stride < end) load(ka, va, j0 + 2 * stride);
-        step(kn, vn, j0 + stride);
     }
 
     // Merge the two halves of the warp (lanes sl and sl + 16 hold the same dims).
@@ -231,7 +215,7 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
         float *__restrict__ part_o, float *__restrict__ part_lse, int heads, int kv_heads,       \
         float scale_log2
 #define VD_KERNEL(G)                                                                             \
-    extern "C" __global__ void __launch_bounds__(VD_THREADS, (G) <= 4 ? 3 : 2)                  \
+    extern "C" __global__ void __launch_bounds__(VD_THREADS, (G) <= 4 ? 4 : 2)                  \
         vime_decode_attn_g##G(VD_ARGS) {                                                         \
         vd::decode_impl<G>(q, kpool, vpool, rows, cu_k, out, part_o, part_lse, heads, kv_heads,  \
                            scale_log2);                                                   \

@@ -18,11 +18,6 @@ use std::sync::Arc;
 const TARGET_BLOCKS: usize = crate::config::GPU_FILL_BLOCKS;
 /// Keys a decode block covers per iteration (4 warps x 8): a split's length is a multiple.
 const KEYS_PER_ITER: usize = 32;
-/// The shortest split: below it a block's fixed costs (its query, the warps' merge, the partial
-/// write) outweigh its keys, and one split per (sequence, kv head) already gives 512 blocks at
-/// batch 64 (Qwen3's 8 kv heads). Sequences shorter than this use one split; the rest of a fixed
-/// plan's splits find no keys.
-const MIN_CHUNK: usize = 256;
 /// Most splits a fixed plan ([`SplitPlan::fixed`]) uses.
 const MAX_FIXED_SPLITS: usize = 128;
 
@@ -61,7 +56,7 @@ impl SplitPlan {
     }
 
     fn chunk_for(splits: usize, max_len: usize) -> usize {
-        (max_len.max(1).div_ceil(splits).div_ceil(KEYS_PER_ITER) * KEYS_PER_ITER).max(MIN_CHUNK)
+        max_len.max(1).div_ceil(splits).div_ceil(KEYS_PER_ITER) * KEYS_PER_ITER
     }
 
     /// The kernel's device metadata for sequences at offsets `cu_k` (`B + 1` entries): the
