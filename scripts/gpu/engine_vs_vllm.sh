@@ -101,8 +101,8 @@ goal = []
 for k in keys:
     v, e = cell.get(k + ("vllm",), {}), cell.get(k + ("vime",), {})
     def fmt(r):
-        if r.get("skipped"): return "not run"
-        if "error" in r or not r: return "failed"
+        if r.get("skipped") or not r: return "not run"
+        if "error" in r: return "failed"
         return (f"{r['tokens_per_s']:,.0f}" + ("" if r.get("every_choice_len") else " (short!)")
                 + (" (earlier run)" if r.get("earlier_run") else ""))
     ratio = ""
