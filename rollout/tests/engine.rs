@@ -241,6 +241,57 @@ fn seeded_sampling_is_reproducible_and_independent_of_the_batch() -> Result<()> 
     Ok(())
 }
 
+/// A KV cache too small for every request at once (`EngineOptions::kv_cache_tokens`): requests
+/// wait for room, running sequences are preempted and recomputed from prompt + tokens, and every
+/// output (tokens, log-probs, finish) is what the unlimited engine gives, the log-probs still the
+/// trainer's. A request that could never fit is refused up front, naming it.
+#[test]
+fn a_full_kv_cache_preempts_and_recomputes_with_the_same_outputs() -> Result<()> {
+    let vocab = 160;
+    let reqs: Vec<GenRequest> = (0..6)
+        .map(|i| {
+            req(
+                &random_tokens(10 + 3 * i, vocab, 700 + i as u64),
+                sampled(1.0, 30 + 4 * i, 900 + i as u64),
+            )
+        })
+        .collect();
+    let free = EmbeddedEngine::new(trainer("tied_gqa")?, EngineOptions::default())?;
+    let want = free.generate(&reqs)?;
+    assert_eq!(free.preemptions(), 0);
+    // 10 pages of 16 tokens: one kept for padding, and each request needs 3-5 pages by its end.
+    let opts = EngineOptions {
+        kv_cache_tokens: Some(160),
+        ..Default::default()
+    };
+    let small = EmbeddedEngine::new(trainer("tied_gqa")?, opts)?;
+    let got = small.generate(&reqs)?;
+    assert!(small.preemptions() > 0, "the cache never ran full");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.token_ids, w.token_ids, "request {i}");
+        assert_eq!(g.finish_reason, w.finish_reason, "request {i}");
+        let d = g
+            .logprobs
+            .iter()
+            .zip(&w.logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d <= 1e-5, "request {i}: log-probs differ by {d:e}");
+    }
+    assert!(trainer_logprob_gap(&trainer("tied_gqa")?, &reqs, &got)? <= 1e-5);
+    // 3 pages, one for padding: a 10-token prompt with 30 new tokens can never fit.
+    let tiny = EmbeddedEngine::new(
+        trainer("tied_gqa")?,
+        EngineOptions {
+            kv_cache_tokens: Some(48),
+            ..Default::default()
+        },
+    )?;
+    let e = tiny.generate(&reqs[..1]).unwrap_err().to_string();
+    assert!(e.contains("request 0") && e.contains("48-token cache"), "{e}");
+    Ok(())
+}
+
 #[test]
 fn top_k_one_and_tiny_top_p_are_greedy() -> Result<()> {
     for case in CASES {

@@ -79,7 +79,7 @@ for m in $MODELS; do
   pkill -f vllm.entrypoints 2>/dev/null; sleep 3
   fi
   echo "--- $m: vime-serve" | tee -a "$LOG"
-  "$W/vime-serve" "$W/$m" --port 8012 --device cuda --dtype bfloat16 --max-num-seqs 256 \
+  "$W/vime-serve" "$W/$m" --port 8012 --device cuda --dtype bfloat16 --max-num-seqs 256 --gpu-memory-utilization 0.6 \
     --max-num-batched-tokens 32768 --max-batch-size 256 ${VIME_SERVE_FLAGS:-} > "$OUT/vime-$m.log" 2>&1 &
   sp=$!
   if wait_health http://127.0.0.1:8012 $sp 300; then

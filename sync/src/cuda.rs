@@ -215,12 +215,18 @@ pub fn unpack_device(d: &CudaDevice, base: u64, parts: &[(&Tensor, usize)]) -> R
 
 /// Bytes in use on the device, by every process (`cuMemGetInfo`: total - free).
 pub fn device_memory_used(d: &CudaDevice) -> Result<u64> {
+    let (free, total) = device_memory_info(d)?;
+    Ok(total - free)
+}
+
+/// `(free, total)` bytes of `d`'s memory (`cuMemGetInfo`).
+pub fn device_memory_info(d: &CudaDevice) -> Result<(u64, u64)> {
     d.cuda_stream()
         .context()
         .bind_to_thread()
         .map_err(|e| cuda(e, "bind context"))?;
     let (free, total) = result::mem_get_info().map_err(|e| cuda(e, "cuMemGetInfo"))?;
-    Ok((total - free) as u64)
+    Ok((free as u64, total as u64))
 }
 
 /// [`device_memory_used`] of `d` in GB, or `None` off the GPU.

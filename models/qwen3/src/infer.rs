@@ -74,6 +74,9 @@ pub struct KvCache {
     uid: u64,
     /// The row padding sequences of a graphed decode step write and read (outside every slot).
     pad_row: Option<u32>,
+    /// Most pages the pools may hold ([`KvCache::set_max_tokens`]); `None`: no limit (the pools
+    /// grow until the device runs out).
+    max_pages: Option<usize>,
 }
 
 /// The pool rows of one call (see the module docs), shared by every layer.
@@ -153,7 +156,38 @@ impl KvCache {
                 NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             },
             pad_row: None,
+            max_pages: None,
         }
+    }
+
+    /// Limits the pools to `tokens` rows (rounded down to whole pages; at least one page for the
+    /// padding row and one for a sequence), or lifts the limit (`None`); the pools are then
+    /// allocated at the limit when first needed. A limit below what the pools already hold keeps
+    /// them (they never shrink) and stops their growth. A caller that
+    /// must not fail mid-step asks [`Self::pages_short`] before [`Self::reserve`].
+    pub fn set_max_tokens(&mut self, tokens: Option<usize>) {
+        self.max_pages = tokens.map(|t| (t / PAGE).max(2));
+    }
+
+    /// The token limit set by [`Self::set_max_tokens`] (whole pages), if any.
+    pub fn max_tokens(&self) -> Option<usize> {
+        self.max_pages.map(|p| p * PAGE)
+    }
+
+    /// Pages still available: free pages plus what the pools may still grow by (`usize::MAX`
+    /// without a limit), less the padding row's page while it is not yet taken.
+    pub fn available_pages(&self) -> usize {
+        let pad = usize::from(self.pad_row.is_none());
+        match self.max_pages {
+            None => usize::MAX,
+            Some(m) => (self.free_pages.len() + m.saturating_sub(self.pages)).saturating_sub(pad),
+        }
+    }
+
+    /// Pages `slot` lacks to hold `tokens` tokens (0 when it has them).
+    pub fn pages_short(&self, slot: usize, tokens: usize) -> usize {
+        let have = self.slots.get(&slot).map_or(0, |s| s.pages.len());
+        tokens.div_ceil(PAGE).saturating_sub(have)
     }
 
     /// Tokens cached for `slot` (0 for a slot never used or freed).
@@ -193,10 +227,21 @@ impl KvCache {
     }
 
     /// Makes `slot` able to hold `tokens` tokens (creating it if needed), growing the pool when
-    /// it is out of pages.
+    /// it is out of pages; refused (nothing changed) past the limit of [`Self::set_max_tokens`].
     pub fn reserve(&mut self, slot: usize, tokens: usize) -> Result<()> {
-        let have = self.slots.get(&slot).map_or(0, |s| s.pages.len());
-        let need = tokens.div_ceil(PAGE).saturating_sub(have);
+        let need = self.pages_short(slot, tokens);
+        let pad = usize::from(self.pad_row.is_none());
+        if let Some(max) = self.max_pages {
+            if need + pad > self.free_pages.len() + max.saturating_sub(self.pages) {
+                bail!(
+                    "KV cache full: sequence {slot} needs {need} more pages of {PAGE} tokens for {tokens} tokens, \
+                     {} of the cache's {} pages ({} tokens) are free",
+                    self.available_pages(),
+                    max,
+                    max * PAGE
+                );
+            }
+        }
         if need > self.free_pages.len() {
             self.grow(self.pages + need - self.free_pages.len())?;
         }
@@ -213,9 +258,15 @@ impl KvCache {
         Ok(())
     }
 
-    /// Grows the pools to at least `pages` pages (doubling), keeping every row.
+    /// Grows the pools to at least `pages` pages (doubling), keeping every row. With a limit
+    /// ([`Self::set_max_tokens`]) the first growth allocates the whole limit: doubling near a
+    /// large limit would hold the old and the new pools at once (1.5x the limit), which is what
+    /// a limit sized to the device's free memory cannot afford.
     fn grow(&mut self, pages: usize) -> Result<()> {
-        let new_pages = pages.max(2 * self.pages).max(MIN_PAGES);
+        let new_pages = match self.max_pages {
+            Some(max) => max.max(pages),
+            None => pages.max(2 * self.pages).max(MIN_PAGES),
+        };
         let width = self.num_kv_heads * self.head_dim;
         let rows = self.pages * PAGE;
         let grow = |old: Option<&Tensor>| -> Result<Tensor> {

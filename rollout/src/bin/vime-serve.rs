@@ -71,9 +71,16 @@ struct Args {
     /// vLLM compatibility: only 1 is supported.
     #[arg(long, default_value_t = 1)]
     tensor_parallel_size: usize,
-    /// vLLM compatibility: accepted, no effect.
+    /// As vLLM's: the fraction of the GPU's memory this engine may use (weights, the fused decode
+    /// weights, activations and the KV cache; default 0.9). The KV cache gets what is left,
+    /// allocated when first needed; requests wait, or are preempted and recomputed, when it is
+    /// full. Off CUDA the cache has no limit unless --kv-cache-tokens sets one.
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
+    /// vime's: the KV cache's size in tokens (all layers), on any device, instead of the share
+    /// --gpu-memory-utilization leaves.
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
     /// vLLM compatibility: accepted, no effect (the sleep endpoints come with --dev-mode).
     #[arg(long)]
     enable_sleep_mode: bool,
@@ -199,6 +206,7 @@ fn build_engine(
     dtype: DType,
     device: &Device,
     opts: EngineOptions,
+    kv: KvSize,
     dummy: bool,
     true_on_policy: bool,
 ) -> Result<Arc<dyn RolloutEngine>> {
@@ -210,7 +218,82 @@ fn build_engine(
     };
     let kernels = model.kernel_config().clone().with_batch_invariant(true_on_policy);
     model.set_kernel_config(kernels);
+    let mut opts = opts;
+    opts.kv_cache_tokens = match kv {
+        KvSize::Tokens(t) => Some(t),
+        KvSize::Utilization(u) => kv_tokens_for_utilization(&model, device, u, opts.fused_decode && !true_on_policy)?,
+    };
+    if let Some(t) = opts.kv_cache_tokens {
+        let gib = (t * model.new_kv_cache().bytes_per_token()) as f64 / (1u64 << 30) as f64;
+        eprintln!("vime-serve: KV cache of {t} tokens ({gib:.1} GiB)");
+    }
     Ok(Arc::new(EmbeddedEngine::new(model, opts)?))
+}
+
+/// How the KV cache is sized: `--kv-cache-tokens`, or `--gpu-memory-utilization`'s share.
+#[derive(Clone, Copy)]
+enum KvSize {
+    Tokens(usize),
+    Utilization(f64),
+}
+
+/// Memory kept aside for activations, the decode graphs' buffers and the sampler (a prefill of
+/// `--max-num-batched-tokens` 8192 at Qwen3-8B's widths needs well under this).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const ACTIVATION_RESERVE: u64 = 4 << 30;
+
+/// The KV cache's tokens on CUDA at memory utilization `u`: `u x total` less the weights, the
+/// fused decode copies (when used) and [`ACTIVATION_RESERVE`], and never more than the device
+/// has free less the same. `None` off CUDA (no limit).
+fn kv_tokens_for_utilization(model: &Qwen3, device: &Device, u: f64, fused: bool) -> Result<Option<usize>> {
+    let Device::Cuda(_c) = device else { return Ok(None) };
+    #[cfg(feature = "cuda")]
+    {
+        let (free, total) = vime_sync::cuda::device_memory_info(_c)?;
+        let bytes = |pred: &dyn Fn(&str) -> bool| -> u64 {
+            model
+                .named_parameters()
+                .iter()
+                .filter(|(n, _)| pred(n))
+                .map(|(_, v)| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
+                .sum()
+        };
+        let weights = bytes(&|_| true);
+        let fused_bytes = if fused {
+            bytes(&|n| {
+                ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+                    .iter()
+                    .any(|p| n.contains(p))
+            })
+        } else {
+            0
+        };
+        let share = (u * total as f64) as u64;
+        let left = share
+            .saturating_sub(weights + fused_bytes + ACTIVATION_RESERVE)
+            .min(free.saturating_sub(fused_bytes + ACTIVATION_RESERVE));
+        let per_token = model.new_kv_cache().bytes_per_token() as u64;
+        let tokens = (left / per_token.max(1)) as usize;
+        if tokens < 4 * vime_qwen3::infer::PAGE {
+            bail!(
+                "--gpu-memory-utilization {u} leaves no room for the KV cache: {:.1} GiB of {:.1} GiB is the share, \
+                 the weights take {:.1} GiB (+ {:.1} GiB fused decode copies, {:.1} GiB kept for activations), \
+                 {:.1} GiB is free on the device",
+                share as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64,
+                weights as f64 / (1u64 << 30) as f64,
+                fused_bytes as f64 / (1u64 << 30) as f64,
+                ACTIVATION_RESERVE as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            );
+        }
+        Ok(Some(tokens))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (model, u, fused);
+        Ok(None)
+    }
 }
 
 #[tokio::main]
@@ -260,6 +343,12 @@ async fn main() -> Result<()> {
         cuda_graphs: !args.enforce_eager,
         ..EngineOptions::default()
     };
+    let kv = match (args.kv_cache_tokens, args.gpu_memory_utilization) {
+        (Some(0), _) => bail!("--kv-cache-tokens must be at least 1"),
+        (Some(t), _) => KvSize::Tokens(t),
+        (None, Some(u)) if !(u > 0.0 && u <= 1.0) => bail!("--gpu-memory-utilization must be in (0, 1], got {u}"),
+        (None, u) => KvSize::Utilization(u.unwrap_or(0.9)),
+    };
     let dummy = match args.load_format.as_str() {
         "auto" | "safetensors" => false,
         "dummy" => true,
@@ -268,7 +357,7 @@ async fn main() -> Result<()> {
     let engine = {
         let (dir, device) = (dir.clone(), device.clone());
         let invariant = args.true_on_policy_mode;
-        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, dummy, invariant)).await??
+        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, kv, dummy, invariant)).await??
     };
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -78,6 +78,12 @@ pub struct EngineOptions {
     /// again, 4.7 GB at Qwen3-4B, remade after each weight update). On by default;
     /// `VIME_FUSED_DECODE=0` turns it off too.
     pub fused_decode: bool,
+    /// Most tokens the engine's KV cache holds at once, over all running sequences (vime-serve
+    /// sets it from `--gpu-memory-utilization` or `--kv-cache-tokens`); `None`: no limit, the
+    /// cache grows until the device runs out. With a limit, requests wait for room, and when
+    /// the running sequences outgrow it the most recently admitted one is preempted (its cache
+    /// freed) and later recomputed from its prompt and the tokens it has, as vLLM does.
+    pub kv_cache_tokens: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -89,6 +95,7 @@ impl Default for EngineOptions {
             seed: 0,
             cuda_graphs: true,
             fused_decode: true,
+            kv_cache_tokens: None,
         }
     }
 }
@@ -114,6 +121,8 @@ pub struct EmbeddedEngine {
     /// The fused q|k|v and gate|up weights of the CUDA decode graphs and the weight version they
     /// were made from (made again after a weight update, dropped when the weights sleep).
     fused: Mutex<Option<(u64, DecodeWeights)>>,
+    /// Preemptions for KV room over the engine's life ([`Self::preemptions`]).
+    preemptions: AtomicU64,
 }
 
 impl EmbeddedEngine {
@@ -128,7 +137,14 @@ impl EmbeddedEngine {
             rng: Mutex::new(Rng::new(opts.seed)),
             opts,
             fused: Mutex::new(None),
+            preemptions: AtomicU64::new(0),
         })
+    }
+
+    /// How many times a running sequence was preempted (its KV freed, recomputed later) because
+    /// the cache of [`EngineOptions::kv_cache_tokens`] ran full, over the engine's life.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions.load(Ordering::Relaxed)
     }
 
     /// Loads an HF checkpoint directory; the EOS ids come from its `config.json` and
@@ -377,6 +393,30 @@ impl RolloutEngine for EmbeddedEngine {
         for (i, r) in requests.iter().enumerate() {
             validate_request(i, r, cfg)?;
         }
+        let mut cache = model.new_kv_cache();
+        cache.set_max_tokens(self.opts.kv_cache_tokens);
+        if let Some(cap) = cache.max_tokens() {
+            use vime_qwen3::infer::PAGE;
+            // Whole pages, less the graphs' padding page: what one sequence can ever hold.
+            let room = cap.saturating_sub(2 * PAGE);
+            let most = |r: &GenRequest| (r.prompt_ids.len() + r.params.max_tokens).min(cfg.max_position_embeddings);
+            for (i, r) in requests.iter().enumerate() {
+                if most(r) > room {
+                    bail!(
+                        "request {i}: its prompt ({} tokens) and max_tokens ({}) need up to {} tokens of KV \
+                         cache, more than the engine's {cap}-token cache can give one sequence ({room}); \
+                         raise --gpu-memory-utilization / --kv-cache-tokens or lower max_tokens",
+                        r.prompt_ids.len(),
+                        r.params.max_tokens,
+                        most(r)
+                    );
+                }
+            }
+            // The pools are allocated once at the limit; a call that can never need it all (every
+            // request at its longest, the padding page, one spare) allocates only that.
+            let demand: usize = requests.iter().map(|r| most(r).div_ceil(PAGE) * PAGE).sum::<usize>() + 2 * PAGE;
+            cache.set_max_tokens(Some(cap.min(demand)));
+        }
         let mut seqs: Vec<Seq> = {
             let mut engine_rng = self
                 .rng
@@ -398,7 +438,6 @@ impl RolloutEngine for EmbeddedEngine {
         };
         let lm_head = model.lm_head();
         let kernels = model.block_ctx().kernels.clone();
-        let mut cache = model.new_kv_cache();
         // Decode steps through captured CUDA graphs (`VIME_CUDA_GRAPHS=0`: off); prefill and
         // mixed steps, and every step off CUDA, run the plain forward.
         let mut graphs = DecodeGraphs::from_env();
@@ -408,6 +447,8 @@ impl RolloutEngine for EmbeddedEngine {
         // Requests with a sampled token still to feed, in admission order; the slot id is the
         // request index.
         let mut running: Vec<usize> = Vec::new();
+        // Sequences preempted for KV room (each recomputed once admitted again).
+        let mut preempted = 0usize;
         // `VIME_ENGINE_PROFILE=1`: where a generate call's time goes, per phase (each phase ends
         // with a device sync, which itself costs a little), printed to stderr at the end.
         let mut profile = std::env::var_os("VIME_ENGINE_PROFILE").map(|_| StepProfile::default());
@@ -428,27 +469,75 @@ impl RolloutEngine for EmbeddedEngine {
                 }
                 break;
             }
+            // KV room: every running sequence needs a row for its next token; when the cache
+            // cannot give them all one, preempt the most recently admitted (free its rows, put it
+            // first in line, recompute it from prompt + generated tokens when it is admitted
+            // again: vLLM's preemption by recompute).
+            let mut room = cache.available_pages();
+            loop {
+                let need: usize = running
+                    .iter()
+                    .map(|&i| cache.pages_short(i, cache.seq_len(i) + 1))
+                    .sum();
+                if need <= room {
+                    room -= need;
+                    break;
+                }
+                let Some(i) = running.pop() else { break };
+                if running.is_empty() {
+                    bail!(
+                        "internal: the KV cache ({:?} tokens) cannot hold request {i} alone at {} tokens",
+                        cache.max_tokens(),
+                        cache.seq_len(i) + 1
+                    );
+                }
+                cache.free(i);
+                waiting.push_front(i);
+                preempted += 1;
+                room = cache.available_pages();
+            }
+            // A waiting request's input: its prompt, then (after a preemption) its tokens so far.
+            let input_len = |i: usize| requests[i].prompt_ids.len() + seqs[i].token_ids.len();
             let mut budget = self.opts.max_num_batched_tokens.saturating_sub(running.len());
             let mut admitted = Vec::new();
             while running.len() + admitted.len() < self.opts.max_num_seqs {
                 let Some(&i) = waiting.front() else { break };
-                let n = requests[i].prompt_ids.len();
-                if n > budget && !(running.is_empty() && admitted.is_empty()) {
+                let n = input_len(i);
+                let first = running.is_empty() && admitted.is_empty();
+                if n > budget && !first {
                     break;
                 }
+                let pages = cache.pages_short(i, n);
+                if pages > room {
+                    break;
+                }
+                room -= pages;
                 budget = budget.saturating_sub(n);
                 admitted.push(i);
                 waiting.pop_front();
             }
             let order: Vec<usize> = running.iter().chain(&admitted).copied().collect();
             if order.is_empty() {
-                break;
+                if waiting.is_empty() {
+                    break;
+                }
+                bail!(
+                    "internal: request {} waits for {} tokens of KV cache and nothing runs",
+                    waiting[0],
+                    input_len(waiting[0])
+                );
             }
+            let recompute: BTreeMap<usize, Vec<u32>> = admitted
+                .iter()
+                .filter(|&&i| !seqs[i].token_ids.is_empty())
+                .map(|&i| (i, [requests[i].prompt_ids.as_slice(), &seqs[i].token_ids].concat()))
+                .collect();
             let inputs: Vec<(usize, &[u32])> = order
                 .iter()
-                .map(|&i| match seqs[i].token_ids.last() {
-                    Some(_) => (i, &seqs[i].token_ids[seqs[i].token_ids.len() - 1..]),
-                    None => (i, requests[i].prompt_ids.as_slice()),
+                .map(|&i| match (recompute.get(&i), seqs[i].token_ids.last()) {
+                    (Some(all), _) => (i, all.as_slice()),
+                    (None, Some(_)) => (i, &seqs[i].token_ids[seqs[i].token_ids.len() - 1..]),
+                    (None, None) => (i, requests[i].prompt_ids.as_slice()),
                 })
                 .collect();
             if let Some(p) = &mut profile {
@@ -538,6 +627,15 @@ impl RolloutEngine for EmbeddedEngine {
             control.step_done();
         }
         phase(&mut profile, 0)?;
+        if preempted > 0 {
+            self.preemptions.fetch_add(preempted as u64, Ordering::Relaxed);
+            eprintln!(
+                "vime: the engine's KV cache ({} tokens) ran full: {preempted} preemptions, each sequence recomputed \
+                 from its prompt and tokens when admitted again (--gpu-memory-utilization / --kv-cache-tokens give \
+                 it more room)",
+                cache.max_tokens().unwrap_or(0)
+            );
+        }
         if let Some(p) = &profile {
             let g = graphs.stats;
             eprintln!(
