@@ -477,3 +477,56 @@ fn vime_serve_allowed_weights_root_flag_and_variable() {
         "{err}"
     );
 }
+
+/// `--kv-cache-tokens` sizes the engine's KV cache on any device: the served `max_model_len`
+/// comes down to the longest sequence it holds (a prompt past it is a 400, a completion stops at
+/// it), requests that together outgrow it still complete (preempted and recomputed), and bad
+/// sizes stop vime-serve with the flag named.
+#[test]
+fn vime_serve_kv_cache_tokens_flag() {
+    // 6 pages of 16: one for padding, one spare, so one sequence holds at most 64 tokens.
+    let p = Proc::start(&["--kv-cache-tokens", "96"], &[]);
+    let err = p.stderr();
+    assert!(err.contains("KV cache of 96 tokens"), "{err}");
+    assert!(err.contains("max_model_len 512 -> 64"), "{err}");
+    let (status, body) = p.call("GET", "/v1/models", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"max_model_len\":64"), "{body}");
+    let prompt: Vec<u32> = (1..=70).collect();
+    let (status, body) = p.call(
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 4}).to_string(),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("maximum context length (64)"), "{body}");
+    // Four 20-token prompts of up to 44 new tokens: 4 x 64 tokens against a 96-token cache.
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| (1 + i..21 + i).collect()).collect();
+    let (status, body) = p.call(
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": prompts, "max_tokens": 100, "temperature": 1.0, "seed": 3, "ignore_eos": true}).to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{body}");
+    for c in choices {
+        assert_eq!(c["finish_reason"], "length", "{body}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 4 * 44, "{body}");
+    drop(p);
+    for (args, want) in [
+        (&["--kv-cache-tokens", "0"][..], "--kv-cache-tokens must be at least 1"),
+        (
+            &["--gpu-memory-utilization", "1.5"][..],
+            "--gpu-memory-utilization must be in (0, 1]",
+        ),
+    ] {
+        let (mut child, lines, _) = Proc::spawn(args, &[]);
+        let status = child.wait().unwrap();
+        let err: Vec<String> = lines.iter().collect();
+        assert!(!status.success(), "{args:?}");
+        assert!(err.join("\n").contains(want), "{args:?}: {err:?}");
+    }
+}

@@ -209,7 +209,7 @@ fn build_engine(
     kv: KvSize,
     dummy: bool,
     true_on_policy: bool,
-) -> Result<Arc<dyn RolloutEngine>> {
+) -> Result<(Arc<dyn RolloutEngine>, Option<usize>)> {
     let mut model = if dummy {
         let cfg = Qwen3Config::from_file(&dir.join("config.json"))?;
         Qwen3::init_random(cfg, 0.02, 0, dtype, device)?
@@ -227,7 +227,8 @@ fn build_engine(
         let gib = (t * model.new_kv_cache().bytes_per_token()) as f64 / (1u64 << 30) as f64;
         eprintln!("vime-serve: KV cache of {t} tokens ({gib:.1} GiB)");
     }
-    Ok(Arc::new(EmbeddedEngine::new(model, opts)?))
+    let kv_tokens = opts.kv_cache_tokens;
+    Ok((Arc::new(EmbeddedEngine::new(model, opts)?), kv_tokens))
 }
 
 /// How the KV cache is sized: `--kv-cache-tokens`, or `--gpu-memory-utilization`'s share.
@@ -359,6 +360,21 @@ async fn main() -> Result<()> {
         let invariant = args.true_on_policy_mode;
         tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, kv, dummy, invariant)).await??
     };
+    let (engine, kv_tokens) = engine;
+    // As vLLM: no sequence may be longer than the KV cache can hold (vLLM refuses to start; here
+    // the served max_model_len comes down to it, so prompts past it get a 400 and completions
+    // stop at it, instead of a request that can never fit failing the batch it shares).
+    if let Some(t) = kv_tokens {
+        let page = vime_qwen3::infer::PAGE;
+        let room = ((t / page).max(2) * page).saturating_sub(2 * page);
+        if room < serve_cfg.max_model_len {
+            eprintln!(
+                "vime-serve: max_model_len {} -> {room}: the longest sequence the {t}-token KV cache holds",
+                serve_cfg.max_model_len
+            );
+            serve_cfg.max_model_len = room;
+        }
+    }
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
