@@ -229,6 +229,226 @@ VD_KERNEL(6)
 VD_KERNEL(7)
 VD_KERNEL(8)
 
+// ---- vime_decode_attn_p{G}: the same attention, K and V staged through shared memory --------
+//
+// Why: the register kernel above can keep only the bytes its registers hold in flight (4 KB a
+// warp during its load phase, 16 warps an SM), which caps it near 2.9 TB/s of the H200's ~4.8 at
+// long KV (engine_ops, 0546e45). Here the whole block copies tiles of 32 keys (K and V of its kv
+// head: 16 KB) into shared memory with cp.async, VD_STAGES tiles ahead, so the bytes in flight no
+// longer cost registers; the arithmetic is the register kernel's (half a warp a key, 8 dims a
+// lane), reading the tile from shared memory. Same grid, arguments, outputs and merge.
+// Thread i copies 64 bytes of K and 64 of V of key i / 4 of each tile (4 + 4 cp.async of 16 B),
+// its pool row fetched one tile ahead. Selected by `KernelConfig::decode_kernel`.
+#define VD_STAGES 3
+#define VD_KEYS 32  // keys per tile (4 warps x 8)
+#define VD_TILE_BYTES (VD_KEYS * 2 * VD_D * 2)  // K and V rows of one kv head: 16 KB
+
+namespace vd {
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
+    const int sz = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int G>
+__device__ __forceinline__ void decode_pipelined(const __nv_bfloat16* __restrict__ q,
+                                                 const __nv_bfloat16* __restrict__ kpool,
+                                                 const __nv_bfloat16* __restrict__ vpool,
+                                                 const unsigned int* __restrict__ rows,
+                                                 const unsigned int* __restrict__ cu_k,
+                                                 __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
+                                                 float* __restrict__ part_lse, int heads, int kv_heads,
+                                                 float scale_log2) {
+    // The tiles; after the loop the same bytes hold the warps' merge.
+    __shared__ __align__(16) unsigned char smem[VD_STAGES * VD_TILE_BYTES];
+    const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
+    const int chunk = (int)cu_k[gridDim.z + 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kq = lane >> 4, sl = lane & 15;
+    const unsigned k0 = cu_k[b];
+    const int len = (int)(cu_k[b + 1] - k0);
+    const int start = split * chunk, end = min(start + chunk, len);
+    const int tiles = end > start ? (end - start + VD_KEYS - 1) / VD_KEYS : 0;
+    const size_t width = (size_t)kv_heads * VD_D;
+    // This thread's share of every tile copy: key ck of the tile, bytes [cp * 64, cp * 64 + 64)
+    // of its K row and of its V row.
+    const int ck = threadIdx.x >> 2, cp = threadIdx.x & 3;
+    const __nv_bfloat16* kb = kpool + (size_t)g * VD_D + cp * 32;
+    const __nv_bfloat16* vb = vpool + (size_t)g * VD_D + cp * 32;
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+    // Shared layout of a tile: key j's K row (16 x 16 B) then its V row (16 x 16 B).
+    auto row_of = [&](int tile) -> unsigned {
+        const int j = start + tile * VD_KEYS + ck;
+        return (tile < tiles && j < end) ? rows[k0 + j] : 0xffffffffu;
+    };
+    auto issue = [&](int tile, unsigned row) {
+        if (tile < tiles) {
+            const bool ok = row != 0xffffffffu;
+            const size_t off = ok ? (size_t)row * width : 0;
+            const uint32_t dst = sbase + (tile % VD_STAGES) * VD_TILE_BYTES + ck * (2 * VD_D * 2) + cp * 64;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                cp_async16(dst + i * 16, kb + off + i * 8, ok);
+                cp_async16(dst + VD_D * 2 + i * 16, vb + off + i * 8, ok);
+            }
+        }
+        cp_async_commit();  // an empty group past the last tile keeps the count
+    };
+
+    float qf[G][8];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 8);
+        cvt8(raw, qf[h]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qf[h][i] *= scale_log2;
+    }
+    float m[G], l[G], acc[G][8];
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+    }
+
+#pragma unroll
+    for (int t = 0; t < VD_STAGES - 1; ++t) issue(t, row_of(t));
+    unsigned next = row_of(VD_STAGES - 1);
+    for (int t = 0; t < tiles; ++t) {
+        cp_async_wait<VD_STAGES - 2>();  // this thread's copies of tile t have landed
+        __syncthreads();                 // everyone's have; tile t - 1's buffer is free
+        issue(t + VD_STAGES - 1, next);
+        next = row_of(t + VD_STAGES);
+        const unsigned char* tb = smem + (t % VD_STAGES) * VD_TILE_BYTES;
+        const int j0 = start + t * VD_KEYS + warp * (2 * VD_TILE);
+        bool ok[VD_TILE];
+        float s[VD_TILE][G];
+#pragma unroll
+        for (int u = 0; u < VD_TILE; ++u) {
+            const int kk = warp * (2 * VD_TILE) + u * 2 + kq;  // key within the tile
+            ok[u] = j0 + u * 2 + kq < end;
+            const uint4 kr = reinterpret_cast<const uint4*>(tb + kk * (2 * VD_D * 2))[sl];
+            float kf[8];
+            cvt8(kr, kf);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) d = fmaf(qf[h][i], kf[i], d);
+                d += __shfl_xor_sync(0xffffffff, d, 1);
+                d += __shfl_xor_sync(0xffffffff, d, 2);
+                d += __shfl_xor_sync(0xffffffff, d, 4);
+                d += __shfl_xor_sync(0xffffffff, d, 8);
+                s[u][h] = ok[u] ? d : -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            float mt = m[h];
+#pragma unroll
+            for (int u = 0; u < VD_TILE; ++u) mt = fmaxf(mt, s[u][h]);
+            if (mt == -INFINITY) continue;
+            const float c = rescale(m[h], mt);
+            l[h] *= c;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[h][i] *= c;
+            m[h] = mt;
+        }
+#pragma unroll
+        for (int u = 0; u < VD_TILE; ++u) {
+            const int kk = warp * (2 * VD_TILE) + u * 2 + kq;
+            const uint4 vr = reinterpret_cast<const uint4*>(tb + kk * (2 * VD_D * 2) + VD_D * 2)[sl];
+            float vf[8];
+            cvt8(vr, vf);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                const float p = ok[u] ? exp2f(s[u][h] - m[h]) : 0.f;
+                l[h] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(p, vf[i], acc[h][i]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the tiles: their bytes become the merge's
+
+    // Merge the two halves of each warp, then the warps through shared memory.
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+        const float mo = __shfl_xor_sync(0xffffffff, m[h], 16);
+        const float lo = __shfl_xor_sync(0xffffffff, l[h], 16);
+        const float mm = fmaxf(m[h], mo);
+        const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
+        l[h] = l[h] * ca + lo * cb;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], 16);
+            acc[h][i] = acc[h][i] * ca + ao * cb;
+        }
+        m[h] = mm;
+    }
+    float(*s_acc)[G][VD_D] = reinterpret_cast<float(*)[G][VD_D]>(smem);
+    float(*s_m)[G] = reinterpret_cast<float(*)[G]>(smem + VD_WARPS * G * VD_D * 4);
+    float(*s_l)[G] = reinterpret_cast<float(*)[G]>(smem + VD_WARPS * G * VD_D * 4 + VD_WARPS * G * 4);
+    if (kq == 0) {
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s_acc[warp][h][sl * 8 + i] = acc[h][i];
+            if (sl == 0) {
+                s_m[warp][h] = m[h];
+                s_l[warp][h] = l[h];
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < G * VD_D; e += VD_THREADS) {
+        const int h = e / VD_D, dim = e % VD_D;
+        float mm = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < VD_WARPS; ++w) mm = fmaxf(mm, s_m[w][h]);
+        float lt = 0.f, at = 0.f;
+#pragma unroll
+        for (int w = 0; w < VD_WARPS; ++w) {
+            const float c = rescale(s_m[w][h], mm);
+            lt += s_l[w][h] * c;
+            at += s_acc[w][h][dim] * c;
+        }
+        const int hh = g * G + h;
+        const float o = lt > 0.f ? at / lt : 0.f;
+        if (nsplit == 1) {
+            out[((size_t)b * heads + hh) * VD_D + dim] = __float2bfloat16(o);
+        } else {
+            const size_t pi = ((size_t)b * heads + hh) * nsplit + split;
+            part_o[pi * VD_D + dim] = o;
+            if (dim == 0) part_lse[pi] = lt > 0.f ? mm + __log2f(lt) : -INFINITY;
+        }
+    }
+}
+
+}  // namespace vd
+
+#define VD_PKERNEL(G)                                                                            \
+    extern "C" __global__ void __launch_bounds__(VD_THREADS, (G) <= 4 ? 4 : 2)                  \
+        vime_decode_attn_p##G(VD_ARGS) {                                                         \
+        vd::decode_pipelined<G>(q, kpool, vpool, rows, cu_k, out, part_o, part_lse, heads,       \
+                                kv_heads, scale_log2);                                           \
+    }
+VD_PKERNEL(1)
+VD_PKERNEL(2)
+VD_PKERNEL(3)
+VD_PKERNEL(4)
+VD_PKERNEL(5)
+VD_PKERNEL(6)
+VD_PKERNEL(7)
+VD_PKERNEL(8)
+
 // Merges the splits of vime_decode_attn: grid (B * H), block 128 (one thread per dim).
 extern "C" __global__ void __launch_bounds__(VD_D)
     vime_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_lse,

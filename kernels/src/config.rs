@@ -53,6 +53,18 @@ pub enum CudnnFailure {
     Error,
 }
 
+/// The CUDA decode-attention kernel (`cuda/decode.cu`): `Registers` (the default, measured on
+/// the H200: 1.3-2.9 TB/s of K and V) loads each warp's keys into registers; `Pipelined` stages
+/// the block's keys through shared memory with cp.async, three 32-key tiles ahead, so the bytes
+/// in flight cost no registers. `Pipelined` passes nothing on the GPU yet (written without device
+/// time): `engine_ops` in `tests/cuda_vs_cpu.rs` checks and times both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DecodeKernel {
+    #[default]
+    Registers,
+    Pipelined,
+}
+
 /// The kernel settings one model runs with. `Default`: `auto`, non-deterministic, `fallback`.
 /// Clones share the fallback latch.
 #[derive(Debug, Clone, Default)]
@@ -65,6 +77,8 @@ pub struct KernelConfig {
     /// what else is in the batch and the built-in engine's decode steps reproduce the trainer's
     /// pass over the whole sequence bit for bit. Backward passes are unchanged.
     batch_invariant: bool,
+    /// The decode attention kernel on CUDA ([`DecodeKernel`]).
+    decode_kernel: DecodeKernel,
     /// Set once cuDNN failed under `auto` + `fallback`: every later call runs the flash kernel.
     cudnn_off: Arc<AtomicBool>,
 }
@@ -90,6 +104,7 @@ impl KernelConfig {
             deterministic,
             on_cudnn_failure,
             batch_invariant: false,
+            decode_kernel: DecodeKernel::default(),
             cudnn_off: Arc::default(),
         })
     }
@@ -102,6 +117,16 @@ impl KernelConfig {
 
     pub fn batch_invariant(&self) -> bool {
         self.batch_invariant
+    }
+
+    /// This config with decode attention run by `kernel` on CUDA.
+    pub fn with_decode_kernel(mut self, kernel: DecodeKernel) -> Self {
+        self.decode_kernel = kernel;
+        self
+    }
+
+    pub fn decode_kernel(&self) -> DecodeKernel {
+        self.decode_kernel
     }
 
     pub fn attention(&self) -> AttentionBackend {

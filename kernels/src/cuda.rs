@@ -1619,6 +1619,7 @@ pub fn decode_attention(
     plan: crate::decode::SplitPlan,
     max_len: usize,
     scale: f64,
+    pipelined: bool,
 ) -> Result<Tensor> {
     let dev = match q.device() {
         candle_core::Device::Cuda(d) => d.clone(),
@@ -1672,7 +1673,8 @@ pub fn decode_attention(
         );
         let (h_i, hkv_i) = (h as i32, hkv as i32);
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
-        let f = decode_fn(&dev, &format!("vime_decode_attn_g{}", h / hkv))?;
+        let kind = if pipelined { "p" } else { "g" };
+        let f = decode_fn(&dev, &format!("vime_decode_attn_{kind}{}", h / hkv))?;
         let launch = LaunchConfig {
             grid_dim: (splits as u32, hkv as u32, b as u32),
             block_dim: (128, 1, 1),

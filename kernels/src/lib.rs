@@ -49,7 +49,7 @@ pub mod vjp;
 pub use attention::{
     cudnn_graph_stats, varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved,
 };
-pub use config::{AttentionBackend, CudnnFailure, KernelConfig, CUDNN_BUILT};
+pub use config::{AttentionBackend, CudnnFailure, DecodeKernel, KernelConfig, CUDNN_BUILT};
 pub use embedding::embedding_backward;
 pub use lm_head::{
     logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, logprobs_entropy_saved_with,

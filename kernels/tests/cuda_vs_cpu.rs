@@ -668,7 +668,22 @@ fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Stri
 /// scattered over the pool as the paged cache scatters them, 2 and 4 query heads per kv head
 /// (Qwen3-0.6B and 4B), and a batch of 1 (most splits) and of 64.
 fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    let kernels = vime_kernels::KernelConfig::default();
+    for kernel in [
+        vime_kernels::DecodeKernel::Registers,
+        vime_kernels::DecodeKernel::Pipelined,
+    ] {
+        check_decode_attention_with(gpu, rng, failures, kernel)?;
+    }
+    Ok(())
+}
+
+fn check_decode_attention_with(
+    gpu: &Device,
+    rng: &mut Rng,
+    failures: &mut Vec<String>,
+    kernel: vime_kernels::DecodeKernel,
+) -> Result<()> {
+    let kernels = vime_kernels::KernelConfig::default().with_decode_kernel(kernel);
     for (lens, heads) in [
         (vec![1usize, 17, 64, 65, 300, 1000, 4097], 16usize),
         (vec![5000], 32),
@@ -715,7 +730,7 @@ fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
         let err = rel_err(&got, &want)?.max(rel_err(&got_fixed, &want)?);
         let ok = err <= TOL;
         let desc = format!(
-            "B {} H {heads} Hkv {hkv}, keys 1..{max_len}, splits {}/{}",
+            "{kernel:?}: B {} H {heads} Hkv {hkv}, keys 1..{max_len}, splits {}/{}",
             lens.len(),
             call.splits,
             fixed.splits
@@ -759,24 +774,29 @@ fn time_decode_attention(gpu: &Device, rng: &mut Rng) -> Result<()> {
         let plan = SplitPlan::fixed(b, hkv, len);
         let meta = plan.device_meta(&cu);
         let meta_t = Tensor::from_vec(meta.clone(), meta.len(), gpu)?;
-        let kernels = vime_kernels::KernelConfig::default();
-        let ms = median_ms(gpu, 20, &mut || {
-            for _ in 0..10 {
-                vime_kernels::decode::decode_attention(&q, &kp, &vp, &rows_t, &cu, &meta_t, plan, 0.088, &kernels)?;
-            }
-            Ok(())
-        })? / 10.0;
         let bytes = (total * hkv * d * 2 * 2) as f64;
-        println!(
-            "{:<26} {:<52} {:.1} us a call, {:.2} TB/s of K + V",
-            "decode_attention speed",
-            format!(
-                "B {b} x {len} keys, H {heads} Hkv {hkv}, splits {} x {}",
-                plan.splits, plan.chunk
-            ),
-            ms * 1e3,
-            bytes / (ms * 1e-3) / 1e12
-        );
+        for kernel in [
+            vime_kernels::DecodeKernel::Registers,
+            vime_kernels::DecodeKernel::Pipelined,
+        ] {
+            let kernels = vime_kernels::KernelConfig::default().with_decode_kernel(kernel);
+            let ms = median_ms(gpu, 20, &mut || {
+                for _ in 0..10 {
+                    vime_kernels::decode::decode_attention(&q, &kp, &vp, &rows_t, &cu, &meta_t, plan, 0.088, &kernels)?;
+                }
+                Ok(())
+            })? / 10.0;
+            println!(
+                "{:<26} {:<52} {:.1} us a call, {:.2} TB/s of K + V",
+                "decode_attention speed",
+                format!(
+                    "{kernel:?}: B {b} x {len} keys, H {heads} Hkv {hkv}, splits {} x {}",
+                    plan.splits, plan.chunk
+                ),
+                ms * 1e3,
+                bytes / (ms * 1e-3) / 1e12
+            );
+        }
     }
     Ok(())
 }
