@@ -285,3 +285,46 @@ fn graphed_decode_equals_decode() -> Result<()> {
     );
     Ok(())
 }
+
+/// A limited cache (`KvCache::set_max_tokens`): the pools are allocated at the limit on first
+/// use (never doubled past it), `available_pages` counts what is left (one page kept for the
+/// decode graphs' padding row), a `reserve` past the limit is refused naming the sequence and
+/// changes nothing, freed pages come back, and a forward over the cached rows still matches the
+/// training forward.
+#[test]
+fn a_limited_cache_allocates_once_and_refuses_past_its_limit() -> Result<()> {
+    let model = load("tied_gqa", DType::F32)?;
+    let mut cache = model.new_kv_cache();
+    cache.set_max_tokens(Some(100)); // 6 pages of 16
+    assert_eq!(cache.max_tokens(), Some(96));
+    assert_eq!(cache.available_pages(), 5);
+    let seq = random_tokens(40, 160, 11);
+    model.forward_with_cache(&[(1, &seq[..])], &mut cache, HiddenRows::Last)?;
+    assert_eq!(
+        cache.allocated_bytes(),
+        96 * cache.bytes_per_token(),
+        "allocated at the limit"
+    );
+    assert_eq!(cache.available_pages(), 2, "3 pages for 40 tokens, 1 kept for padding");
+    assert_eq!(cache.pages_short(2, 33), 3);
+    let e = cache.reserve(2, 33).unwrap_err().to_string();
+    assert!(e.contains("KV cache full: sequence 2 needs 3 more pages"), "{e}");
+    assert_eq!(cache.num_slots(), 1, "a refused reserve creates nothing");
+    assert_eq!(cache.available_pages(), 2);
+    cache.reserve(2, 32)?;
+    assert_eq!(cache.available_pages(), 0);
+    cache.free(1);
+    assert_eq!(cache.available_pages(), 3);
+    // Decoding on after the refusals gives the training forward's logits.
+    let mut rows = Vec::new();
+    let mut cache2 = model.new_kv_cache();
+    cache2.set_max_tokens(Some(100));
+    rows.push(model.forward_with_cache(&[(1, &seq[..30])], &mut cache2, HiddenRows::All)?);
+    for &tok in &seq[30..] {
+        rows.push(model.decode(&[(1, tok)], &mut cache2)?);
+    }
+    let got = model.logits_from_hidden(&Tensor::cat(&rows, 0)?)?;
+    let err = max_row_err(&got, &full_logits(&model, &seq)?)?;
+    assert!(err <= 1e-5, "rel err {err}");
+    Ok(())
+}
