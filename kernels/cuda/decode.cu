@@ -56,58 +56,31 @@ __device__ __forceinline__ float rescale(float m, float mm) {
     return m == -INFINITY ? 0.f : exp2f(m - mm);
 }
 
+// One thread's share of a block's work (the register and the pipelined kernel alike): the
+// scaled query dims it owns, and its half-warp's online softmax over the keys it has seen.
 template <int G>
-__device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
-                                            const __nv_bfloat16* __restrict__ kpool,
-                                            const __nv_bfloat16* __restrict__ vpool,
-                                            const unsigned int* __restrict__ rows,
-                                            const unsigned int* __restrict__ cu_k,
-                                            __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
-                                            float* __restrict__ part_lse, int heads, int kv_heads,
-                                            float scale_log2) {
-    const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
-    const int chunk = (int)cu_k[gridDim.z + 1];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kq = lane >> 4, sl = lane & 15;
-    const unsigned k0 = cu_k[b];
-    const int len = (int)(cu_k[b + 1] - k0);
-    const int start = split * chunk, end = min(start + chunk, len);
-    const size_t width = (size_t)kv_heads * VD_D;
-    const __nv_bfloat16* kb = kpool + (size_t)g * VD_D + sl * 8;
-    const __nv_bfloat16* vb = vpool + (size_t)g * VD_D + sl * 8;
+struct Partial {
+    float qf[G][8], m[G], l[G], acc[G][8];
 
-    float qf[G][8];
+    __device__ __forceinline__ Partial(const __nv_bfloat16* q, int b, int heads, int g, int sl,
+                                       float scale_log2) {
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 8);
-        cvt8(raw, qf[h]);
+        for (int h = 0; h < G; ++h) {
+            const uint4 raw =
+                *reinterpret_cast<const uint4*>(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 8);
+            cvt8(raw, qf[h]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) qf[h][i] *= scale_log2;
-    }
-    float m[G], l[G], acc[G][8];
+            for (int i = 0; i < 8; ++i) qf[h][i] *= scale_log2;
+            m[h] = -INFINITY;
+            l[h] = 0.f;
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-    }
-
-    for (int j0 = start + warp * (2 * VD_TILE); j0 < end; j0 += VD_WARPS * 2 * VD_TILE) {
-        uint4 kr[VD_TILE], vr[VD_TILE];
-        bool ok[VD_TILE];
-#pragma unroll
-        for (int t = 0; t < VD_TILE; ++t) {
-            const int j = j0 + t * 2 + kq;
-            ok[t] = j < end;
-            if (ok[t]) {
-                const size_t row = (size_t)rows[k0 + j] * width;
-                kr[t] = *reinterpret_cast<const uint4*>(kb + row);
-                vr[t] = *reinterpret_cast<const uint4*>(vb + row);
-            } else {
-                kr[t] = vr[t] = make_uint4(0, 0, 0, 0);
-            }
+            for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
         }
+    }
+
+    // VD_TILE keys of this half-warp (K and V: this lane's 8 dims of each; `ok`: inside the split).
+    __device__ __forceinline__ void step(const uint4 (&kr)[VD_TILE], const uint4 (&vr)[VD_TILE],
+                                         const bool (&ok)[VD_TILE]) {
         float s[VD_TILE][G];
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
@@ -151,59 +124,106 @@ __device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
         }
     }
 
-    // Merge the two halves of the warp (lanes sl and sl + 16 hold the same dims).
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        const float mo = __shfl_xor_sync(0xffffffff, m[h], 16);
-        const float lo = __shfl_xor_sync(0xffffffff, l[h], 16);
-        const float mm = fmaxf(m[h], mo);
-        const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
-        l[h] = l[h] * ca + lo * cb;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], 16);
-            acc[h][i] = acc[h][i] * ca + ao * cb;
-        }
-        m[h] = mm;
-    }
-
-    // Merge the warps through shared memory: warp w's lanes 0..15 write their 8 dims.
-    __shared__ float s_acc[VD_WARPS][G][VD_D];
-    __shared__ float s_m[VD_WARPS][G], s_l[VD_WARPS][G];
-    if (kq == 0) {
+    // Merges the two halves of each warp (lanes sl and sl + 16 hold the same dims), then the
+    // warps through `smem` (at least VD_WARPS x G x (VD_D + 2) floats, free for this use), and
+    // writes the block's bf16 output (one split) or its partial output and log-sum-exp.
+    __device__ __forceinline__ void finish(float* smem, int warp, int kq, int sl, int g, int b, int split,
+                                           int nsplit, int heads, __nv_bfloat16* __restrict__ out,
+                                           float* __restrict__ part_o, float* __restrict__ part_lse) {
 #pragma unroll
         for (int h = 0; h < G; ++h) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[h], 16);
+            const float lo = __shfl_xor_sync(0xffffffff, l[h], 16);
+            const float mm = fmaxf(m[h], mo);
+            const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
+            l[h] = l[h] * ca + lo * cb;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s_acc[warp][h][sl * 8 + i] = acc[h][i];
-            if (sl == 0) {
-                s_m[warp][h] = m[h];
-                s_l[warp][h] = l[h];
+            for (int i = 0; i < 8; ++i) {
+                const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], 16);
+                acc[h][i] = acc[h][i] * ca + ao * cb;
+            }
+            m[h] = mm;
+        }
+        float(*s_acc)[G][VD_D] = reinterpret_cast<float(*)[G][VD_D]>(smem);
+        float(*s_m)[G] = reinterpret_cast<float(*)[G]>(smem + VD_WARPS * G * VD_D);
+        float(*s_l)[G] = reinterpret_cast<float(*)[G]>(smem + VD_WARPS * G * VD_D + VD_WARPS * G);
+        if (kq == 0) {
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s_acc[warp][h][sl * 8 + i] = acc[h][i];
+                if (sl == 0) {
+                    s_m[warp][h] = m[h];
+                    s_l[warp][h] = l[h];
+                }
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < G * VD_D; e += VD_THREADS) {
+            const int h = e / VD_D, dim = e % VD_D;
+            float mm = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < VD_WARPS; ++w) mm = fmaxf(mm, s_m[w][h]);
+            float lt = 0.f, at = 0.f;
+#pragma unroll
+            for (int w = 0; w < VD_WARPS; ++w) {
+                const float c = rescale(s_m[w][h], mm);
+                lt += s_l[w][h] * c;
+                at += s_acc[w][h][dim] * c;
+            }
+            const int hh = g * G + h;
+            const float o = lt > 0.f ? at / lt : 0.f;
+            if (nsplit == 1) {
+                out[((size_t)b * heads + hh) * VD_D + dim] = __float2bfloat16(o);
+            } else {
+                const size_t pi = ((size_t)b * heads + hh) * nsplit + split;
+                part_o[pi * VD_D + dim] = o;
+                if (dim == 0) part_lse[pi] = lt > 0.f ? mm + __log2f(lt) : -INFINITY;
             }
         }
     }
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * VD_D; e += VD_THREADS) {
-        const int h = e / VD_D, dim = e % VD_D;
-        float mm = -INFINITY;
+};
+
+template <int G>
+__device__ __forceinline__ void decode_impl(const __nv_bfloat16* __restrict__ q,
+                                            const __nv_bfloat16* __restrict__ kpool,
+                                            const __nv_bfloat16* __restrict__ vpool,
+                                            const unsigned int* __restrict__ rows,
+                                            const unsigned int* __restrict__ cu_k,
+                                            __nv_bfloat16* __restrict__ out, float* __restrict__ part_o,
+                                            float* __restrict__ part_lse, int heads, int kv_heads,
+                                            float scale_log2) {
+    __shared__ float merge[VD_WARPS * G * (VD_D + 2)];
+    const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z, nsplit = gridDim.x;
+    const int chunk = (int)cu_k[gridDim.z + 1];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kq = lane >> 4, sl = lane & 15;
+    const unsigned k0 = cu_k[b];
+    const int len = (int)(cu_k[b + 1] - k0);
+    const int start = split * chunk, end = min(start + chunk, len);
+    const size_t width = (size_t)kv_heads * VD_D;
+    const __nv_bfloat16* kb = kpool + (size_t)g * VD_D + sl * 8;
+    const __nv_bfloat16* vb = vpool + (size_t)g * VD_D + sl * 8;
+
+    Partial<G> p(q, b, heads, g, sl, scale_log2);
+    for (int j0 = start + warp * (2 * VD_TILE); j0 < end; j0 += VD_WARPS * 2 * VD_TILE) {
+        uint4 kr[VD_TILE], vr[VD_TILE];
+        bool ok[VD_TILE];
 #pragma unroll
-        for (int w = 0; w < VD_WARPS; ++w) mm = fmaxf(mm, s_m[w][h]);
-        float lt = 0.f, at = 0.f;
-#pragma unroll
-        for (int w = 0; w < VD_WARPS; ++w) {
-            const float c = rescale(s_m[w][h], mm);
-            lt += s_l[w][h] * c;
-            at += s_acc[w][h][dim] * c;
+        for (int t = 0; t < VD_TILE; ++t) {
+            const int j = j0 + t * 2 + kq;
+            ok[t] = j < end;
+            if (ok[t]) {
+                const size_t row = (size_t)rows[k0 + j] * width;
+                kr[t] = *reinterpret_cast<const uint4*>(kb + row);
+                vr[t] = *reinterpret_cast<const uint4*>(vb + row);
+            } else {
+                kr[t] = vr[t] = make_uint4(0, 0, 0, 0);
+            }
         }
-        const int hh = g * G + h;
-        const float o = lt > 0.f ? at / lt : 0.f;
-        if (nsplit == 1) {
-            out[((size_t)b * heads + hh) * VD_D + dim] = __float2bfloat16(o);
-        } else {
-            const size_t pi = ((size_t)b * heads + hh) * nsplit + split;
-            part_o[pi * VD_D + dim] = o;
-            if (dim == 0) part_lse[pi] = lt > 0.f ? mm + __log2f(lt) : -INFINITY;
-        }
+        p.step(kr, vr, ok);
     }
+    p.finish(merge, warp, kq, sl, g, b, split, nsplit, heads, out, part_o, part_lse);
 }
 
 }  // namespace vd
@@ -236,7 +256,7 @@ VD_KERNEL(8)
 // long KV (engine_ops, 0546e45). Here the whole block copies tiles of 32 keys (K and V of its kv
 // head: 16 KB) into shared memory with cp.async, VD_STAGES tiles ahead, so the bytes in flight no
 // longer cost registers; the arithmetic is the register kernel's (half a warp a key, 8 dims a
-// lane), reading the tile from shared memory. Same grid, arguments, outputs and merge.
+// lane: `Partial`), reading the tile from shared memory. Same grid, arguments, outputs and merge.
 // Thread i copies 64 bytes of K and 64 of V of key i / 4 of each tile (4 + 4 cp.async of 16 B),
 // its pool row fetched one tile ahead. Selected by `KernelConfig::decode_kernel`.
 #define VD_STAGES 3
@@ -300,23 +320,7 @@ __device__ __forceinline__ void decode_pipelined(const __nv_bfloat16* __restrict
         cp_async_commit();  // an empty group past the last tile keeps the count
     };
 
-    float qf[G][8];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(q + ((size_t)b * heads + g * G + h) * VD_D + sl * 8);
-        cvt8(raw, qf[h]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) qf[h][i] *= scale_log2;
-    }
-    float m[G], l[G], acc[G][8];
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        m[h] = -INFINITY;
-        l[h] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-    }
-
+    Partial<G> p(q, b, heads, g, sl, scale_log2);
 #pragma unroll
     for (int t = 0; t < VD_STAGES - 1; ++t) issue(t, row_of(t));
     unsigned next = row_of(VD_STAGES - 1);
@@ -325,111 +329,22 @@ __device__ __forceinline__ void decode_pipelined(const __nv_bfloat16* __restrict
         __syncthreads();                 // everyone's have; tile t - 1's buffer is free
         issue(t + VD_STAGES - 1, next);
         next = row_of(t + VD_STAGES);
-        const unsigned char* tb = smem + (t % VD_STAGES) * VD_TILE_BYTES;
+        const uint4* tb = reinterpret_cast<const uint4*>(smem + (t % VD_STAGES) * VD_TILE_BYTES);
         const int j0 = start + t * VD_KEYS + warp * (2 * VD_TILE);
+        uint4 kr[VD_TILE], vr[VD_TILE];
         bool ok[VD_TILE];
-        float s[VD_TILE][G];
 #pragma unroll
         for (int u = 0; u < VD_TILE; ++u) {
-            const int kk = warp * (2 * VD_TILE) + u * 2 + kq;  // key within the tile
+            const int kk = warp * (2 * VD_TILE) + u * 2 + kq;  // key within the tile: 32 uint4 a key
             ok[u] = j0 + u * 2 + kq < end;
-            const uint4 kr = reinterpret_cast<const uint4*>(tb + kk * (2 * VD_D * 2))[sl];
-            float kf[8];
-            cvt8(kr, kf);
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) d = fmaf(qf[h][i], kf[i], d);
-                d += __shfl_xor_sync(0xffffffff, d, 1);
-                d += __shfl_xor_sync(0xffffffff, d, 2);
-                d += __shfl_xor_sync(0xffffffff, d, 4);
-                d += __shfl_xor_sync(0xffffffff, d, 8);
-                s[u][h] = ok[u] ? d : -INFINITY;
-            }
+            kr[u] = tb[kk * 32 + sl];
+            vr[u] = tb[kk * 32 + 16 + sl];
         }
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-            float mt = m[h];
-#pragma unroll
-            for (int u = 0; u < VD_TILE; ++u) mt = fmaxf(mt, s[u][h]);
-            if (mt == -INFINITY) continue;
-            const float c = rescale(m[h], mt);
-            l[h] *= c;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[h][i] *= c;
-            m[h] = mt;
-        }
-#pragma unroll
-        for (int u = 0; u < VD_TILE; ++u) {
-            const int kk = warp * (2 * VD_TILE) + u * 2 + kq;
-            const uint4 vr = reinterpret_cast<const uint4*>(tb + kk * (2 * VD_D * 2) + VD_D * 2)[sl];
-            float vf[8];
-            cvt8(vr, vf);
-#pragma unroll
-            for (int h = 0; h < G; ++h) {
-                const float p = ok[u] ? exp2f(s[u][h] - m[h]) : 0.f;
-                l[h] += p;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(p, vf[i], acc[h][i]);
-            }
-        }
+        p.step(kr, vr, ok);
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the tiles: their bytes become the merge's
-
-    // Merge the two halves of each warp, then the warps through shared memory.
-#pragma unroll
-    for (int h = 0; h < G; ++h) {
-        const float mo = __shfl_xor_sync(0xffffffff, m[h], 16);
-        const float lo = __shfl_xor_sync(0xffffffff, l[h], 16);
-        const float mm = fmaxf(m[h], mo);
-        const float ca = rescale(m[h], mm), cb = rescale(mo, mm);
-        l[h] = l[h] * ca + lo * cb;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float ao = __shfl_xor_sync(0xffffffff, acc[h][i], 16);
-            acc[h][i] = acc[h][i] * ca + ao * cb;
-        }
-        m[h] = mm;
-    }
-    float(*s_acc)[G][VD_D] = reinterpret_cast<float(*)[G][VD_D]>(smem);
-    float(*s_m)[G] = reinterpret_cast<float(*)[G]>(smem + VD_WARPS * G * VD_D * 4);
-    float(*s_l)[G] = reinterpret_cast<float(*)[G]>(smem + VD_WARPS * G * VD_D * 4 + VD_WARPS * G * 4);
-    if (kq == 0) {
-#pragma unroll
-        for (int h = 0; h < G; ++h) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s_acc[warp][h][sl * 8 + i] = acc[h][i];
-            if (sl == 0) {
-                s_m[warp][h] = m[h];
-                s_l[warp][h] = l[h];
-            }
-        }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * VD_D; e += VD_THREADS) {
-        const int h = e / VD_D, dim = e % VD_D;
-        float mm = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < VD_WARPS; ++w) mm = fmaxf(mm, s_m[w][h]);
-        float lt = 0.f, at = 0.f;
-#pragma unroll
-        for (int w = 0; w < VD_WARPS; ++w) {
-            const float c = rescale(s_m[w][h], mm);
-            lt += s_l[w][h] * c;
-            at += s_acc[w][h][dim] * c;
-        }
-        const int hh = g * G + h;
-        const float o = lt > 0.f ? at / lt : 0.f;
-        if (nsplit == 1) {
-            out[((size_t)b * heads + hh) * VD_D + dim] = __float2bfloat16(o);
-        } else {
-            const size_t pi = ((size_t)b * heads + hh) * nsplit + split;
-            part_o[pi * VD_D + dim] = o;
-            if (dim == 0) part_lse[pi] = lt > 0.f ? mm + __log2f(lt) : -INFINITY;
-        }
-    }
+    p.finish(reinterpret_cast<float*>(smem), warp, kq, sl, g, b, split, nsplit, heads, out, part_o, part_lse);
 }
 
 }  // namespace vd
