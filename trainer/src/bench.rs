@@ -80,6 +80,49 @@ pub struct BenchArgs {
     /// (cuDNN's attention backward).
     #[arg(long)]
     pub deterministic_mode: bool,
+    /// equal: every micro-batch is `--max-tokens-per-gpu` tokens of `--seq-len`-token sequences.
+    /// ragged: an RL step's shape, `--samples` samples per optimizer step, each a prompt of
+    /// 64-511 tokens (uniform) and a response whose length is log-normal (median
+    /// `--response-median`, log-sd `--response-sigma`: a long tail), capped so that a sample is
+    /// at most `--seq-len`; grouped into micro-batches of at most `--max-tokens-per-gpu` tokens by
+    /// the trainer's own dynamic batching (`batching::pack_micro_batches`), so `--micro-batches`
+    /// must stay 1.
+    #[arg(long, default_value = "equal")]
+    pub lengths: String,
+    /// ragged: samples per optimizer step.
+    #[arg(long, default_value_t = 64)]
+    pub samples: usize,
+    /// ragged: median response length in tokens.
+    #[arg(long, default_value_t = 1024)]
+    pub response_median: usize,
+    /// ragged: standard deviation of the log of the response length.
+    #[arg(long, default_value_t = 1.0)]
+    pub response_sigma: f64,
+}
+
+/// The sample lengths of one ragged (RL-shaped) optimizer step, drawn from `rng` (see
+/// `BenchArgs::lengths`): prompt uniform in [64, 512), response log-normal, the total capped at
+/// `seq_len` (and at least 2 tokens).
+pub fn ragged_lengths(
+    rng: &mut vime_kernels::testing::Rng,
+    samples: usize,
+    seq_len: usize,
+    median: usize,
+    sigma: f64,
+) -> Vec<usize> {
+    (0..samples)
+        .map(|_| {
+            let prompt = 64 + (rng.next_u64() % 448) as usize;
+            let response = (median as f64 * (sigma * rng.normal()).exp()).round().max(1.0) as usize;
+            (prompt + response).clamp(2, seq_len.max(2))
+        })
+        .collect()
+}
+
+/// Model FLOPs of one optimizer step over sequences of these lengths (each a causal sequence of
+/// its own: `flops_per_token(cfg, s) x s` summed).
+pub fn flops_of_lengths(cfg: &Qwen3Config, lengths: &[usize]) -> f64 {
+    lengths.iter().map(|&s| flops_per_token(cfg, s) * s as f64).sum()
 }
 
 /// Bound of `--compare-backward`: two bf16 computations of the same gradients that differ only
@@ -246,6 +289,18 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     if args.seq_len == 0 || args.max_tokens_per_gpu < args.seq_len || args.steps == 0 || args.micro_batches == 0 {
         bail!("need --seq-len >= 1, --max-tokens-per-gpu >= --seq-len, --steps >= 1, --micro-batches >= 1");
     }
+    let ragged = match args.lengths.as_str() {
+        "equal" => false,
+        "ragged" => true,
+        other => bail!("--lengths {other:?}: equal or ragged"),
+    };
+    if ragged
+        && (args.micro_batches != 1 || args.samples == 0 || args.response_median == 0 || !(args.response_sigma >= 0.0))
+    {
+        bail!(
+            "--lengths ragged: micro-batches come from dynamic batching (leave --micro-batches at 1), and it needs --samples >= 1, --response-median >= 1, --response-sigma >= 0"
+        );
+    }
     let mut cfg = config_of(&args.model)?;
     if let Some(l) = args.layers {
         if l == 0 {
@@ -254,7 +309,6 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         cfg.num_hidden_layers = l;
         cfg.max_window_layers = cfg.max_window_layers.min(l);
     }
-    let fpt = flops_per_token(&cfg, args.seq_len);
     let t0 = Instant::now();
     let explicit = match args.backward.as_str() {
         "explicit" => true,
@@ -283,20 +337,55 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         t0.elapsed().as_secs_f64()
     );
     let mut rng = vime_kernels::testing::Rng::new(99);
-    let mut batches = Vec::new();
-    for _ in 0..args.micro_batches {
-        let mut seqs: Vec<Vec<u32>> = Vec::new();
+    // Sequence lengths of each micro-batch.
+    let plan: Vec<Vec<usize>> = if ragged {
+        let lengths = ragged_lengths(
+            &mut rng,
+            args.samples,
+            args.seq_len,
+            args.response_median,
+            args.response_sigma,
+        );
+        crate::batching::pack_micro_batches(&lengths, args.max_tokens_per_gpu)?
+            .into_iter()
+            .map(|mb| mb.into_iter().map(|i| lengths[i]).collect())
+            .collect()
+    } else {
+        let mut mb = Vec::new();
         let mut left = args.max_tokens_per_gpu;
         while left > 0 {
             let len = args.seq_len.min(left);
-            seqs.push(
-                (0..len)
-                    .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
-                    .collect(),
-            );
+            mb.push(len);
             left -= len;
         }
+        vec![mb; args.micro_batches]
+    };
+    let all_lengths: Vec<usize> = plan.iter().flatten().copied().collect();
+    let tokens: usize = all_lengths.iter().sum();
+    let fpt = flops_of_lengths(&cfg, &all_lengths) / tokens as f64;
+    let mut batches = Vec::new();
+    for mb in &plan {
+        let seqs: Vec<Vec<u32>> = mb
+            .iter()
+            .map(|&len| {
+                (0..len)
+                    .map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32)
+                    .collect()
+            })
+            .collect();
         batches.push(PackedBatch::from_sequences(&seqs)?);
+    }
+    if ragged {
+        eprintln!(
+            "bench-step: ragged, {} samples of {}-{} tokens (mean {:.0}) in {} micro-batches of at most {} tokens ({:.1}% full)",
+            all_lengths.len(),
+            all_lengths.iter().min().unwrap_or(&0),
+            all_lengths.iter().max().unwrap_or(&0),
+            tokens as f64 / all_lengths.len() as f64,
+            plan.len(),
+            args.max_tokens_per_gpu,
+            100.0 * tokens as f64 / (plan.len() * args.max_tokens_per_gpu) as f64
+        );
     }
     let objective = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> {
         let n = o.logprobs.elem_count().max(1) as f64;
@@ -305,7 +394,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     if args.compare_backward {
         compare_backward(&mut model, &batches[0], recompute, &objective)?;
     }
-    let tokens_per_step = (args.micro_batches * args.max_tokens_per_gpu) as f64;
+    let tokens_per_step = tokens as f64;
     let (mut fb, mut optim, mut total) = (Vec::new(), Vec::new(), Vec::new());
     let mut sampler = None;
     let mut last_loss = 0.0;
@@ -349,7 +438,13 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "cudnn_graph_build_s": build_s,
         "seq_len": args.seq_len,
         "tokens_per_micro_batch": args.max_tokens_per_gpu,
-        "micro_batches": args.micro_batches,
+        "micro_batches": plan.len(),
+        "lengths": args.lengths,
+        "samples": all_lengths.len(),
+        "tokens_per_step": tokens,
+        "mean_sample_len": tokens as f64 / all_lengths.len() as f64,
+        "max_sample_len": all_lengths.iter().max().copied().unwrap_or(0),
+        "micro_batch_fill": tokens as f64 / (plan.len() * args.max_tokens_per_gpu) as f64,
         "steps": args.steps,
         "step_s": step,
         "fwd_bwd_s": fb,
@@ -363,12 +458,13 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "final_loss": last_loss,
     });
     println!(
-        "RESULT vime {} seq {} tokens/step {} recompute {} attention {}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
+        "RESULT vime {} seq {} tokens/step {} recompute {} attention {}{}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
         args.model,
         args.seq_len,
         tokens_per_step,
         args.recompute,
         out["attention"].as_str().unwrap_or("?"),
+        if ragged { " lengths ragged" } else { "" },
         step,
         fb,
         optim,
@@ -419,6 +515,128 @@ mod tests {
     }
 
     #[test]
+    fn flops_of_ragged_lengths_count_each_sequence_causally_on_its_own() {
+        let cfg = config_of("qwen3-4b").unwrap();
+        // The same per-token count as above, for a pack of a 7- and a 4096-token sequence: each
+        // token attends only to its own sequence's earlier tokens.
+        let macs_weights: f64 = 36.0
+            * (2560.0 * 4096.0 + 2.0 * 2560.0 * 1024.0 + 4096.0 * 2560.0 + 3.0 * 2560.0 * 9728.0)
+            + 2560.0 * 151936.0;
+        let seq = |s: usize| -> f64 {
+            (0..s)
+                .map(|i| 3.0 * (2.0 * macs_weights + 36.0 * 32.0 * 2.0 * (2.0 * 128.0 * (i + 1) as f64)))
+                .sum()
+        };
+        let want = seq(7) + seq(4096);
+        let got = flops_of_lengths(&cfg, &[7, 4096]);
+        assert!((got - want).abs() / want < 1e-9, "{got} vs {want}");
+        // One 4103-token sequence does more attention than the two apart.
+        assert!(flops_of_lengths(&cfg, &[4103]) > got);
+    }
+
+    #[test]
+    fn ragged_lengths_are_prompt_plus_a_long_tailed_response_capped_at_the_sequence() {
+        let mut rng = vime_kernels::testing::Rng::new(5);
+        // sigma 0: every response is the median, prompts cover [64, 512).
+        let l = ragged_lengths(&mut rng, 2000, 1 << 20, 300, 0.0);
+        assert!(l.iter().all(|&x| (364..812).contains(&x)), "{:?}", &l[..8]);
+        assert!(*l.iter().min().unwrap() < 380 && *l.iter().max().unwrap() > 795);
+        // sigma 1: P(response > 4 x median) = P(Z > ln 4) = 8.3 %; the median sample is about
+        // median + the mean prompt (288).
+        let mut l = ragged_lengths(&mut rng, 20000, 1 << 20, 1000, 1.0);
+        let tail = l.iter().filter(|&&x| x > 4000 + 511).count() as f64 / 20000.0;
+        assert!((0.06..0.09).contains(&tail), "tail {tail}");
+        l.sort_unstable();
+        let med = l[10000] as f64;
+        assert!((1150.0..1450.0).contains(&med), "median {med}");
+        // The cap: no sample past --seq-len.
+        let l = ragged_lengths(&mut rng, 2000, 1024, 1000, 1.0);
+        assert!(l.iter().all(|&x| (2..=1024).contains(&x)) && l.iter().filter(|&&x| x == 1024).count() > 500);
+    }
+
+    #[test]
+    fn a_ragged_step_packs_by_dynamic_batching_and_counts_its_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, tiny_config().to_string()).unwrap();
+        let args = BenchArgs {
+            model: path.display().to_string(),
+            seq_len: 48,
+            max_tokens_per_gpu: 64,
+            micro_batches: 1,
+            steps: 1,
+            warmup: 0,
+            recompute: "none".into(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            json: None,
+            backward: "explicit".into(),
+            layers: None,
+            compare_backward: false,
+            attention_backend: "auto".into(),
+            deterministic_mode: false,
+            lengths: "ragged".into(),
+            samples: 9,
+            response_median: 8,
+            response_sigma: 1.0,
+        };
+        let out = run(&args).unwrap();
+        // The same draw, packed independently: the step holds every sample once.
+        let mut rng = vime_kernels::testing::Rng::new(99);
+        let lengths = ragged_lengths(&mut rng, 9, 48, 8, 1.0);
+        let plan = crate::batching::pack_micro_batches(&lengths, 64).unwrap();
+        let tokens: usize = lengths.iter().sum();
+        assert_eq!(out["samples"], 9);
+        assert_eq!(out["tokens_per_step"], tokens);
+        assert_eq!(out["micro_batches"], plan.len());
+        assert!(plan.len() >= tokens.div_ceil(64) && plan.len() > 1);
+        let (tps, step) = (out["tokens_per_s"].as_f64().unwrap(), out["step_s"].as_f64().unwrap());
+        assert!((tps * step - tokens as f64).abs() < 1e-6);
+        let cfg = config_of(&args.model).unwrap();
+        let fpt = out["flops_per_token"].as_f64().unwrap();
+        assert!((fpt * tokens as f64 - flops_of_lengths(&cfg, &lengths)).abs() / fpt < 1e-6);
+        assert!((out["micro_batch_fill"].as_f64().unwrap() - tokens as f64 / (64 * plan.len()) as f64).abs() < 1e-12);
+        // Ragged needs micro-batches from the packing, and a known --lengths.
+        let e = format!(
+            "{:#}",
+            run(&BenchArgs {
+                micro_batches: 3,
+                ..args.clone()
+            })
+            .unwrap_err()
+        );
+        assert!(e.contains("--micro-batches"), "{e}");
+        let e = format!(
+            "{:#}",
+            run(&BenchArgs {
+                lengths: "jagged".into(),
+                ..args.clone()
+            })
+            .unwrap_err()
+        );
+        assert!(e.contains("--lengths") && e.contains("jagged"), "{e}");
+        let e = format!(
+            "{:#}",
+            run(&BenchArgs {
+                response_sigma: -1.0,
+                ..args
+            })
+            .unwrap_err()
+        );
+        assert!(e.contains("--response-sigma"), "{e}");
+    }
+
+    fn tiny_config() -> serde_json::Value {
+        serde_json::json!({
+            "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+            "tie_word_embeddings": true, "attention_bias": false, "hidden_act": "silu",
+            "use_sliding_window": false, "max_window_layers": 2
+        })
+    }
+
+    #[test]
     fn a_tiny_step_runs_on_the_cpu_and_reports_sane_numbers() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = serde_json::json!({
@@ -448,6 +666,10 @@ mod tests {
             compare_backward: true,
             attention_backend: "auto".into(),
             deterministic_mode: false,
+            lengths: "equal".into(),
+            samples: 64,
+            response_median: 1024,
+            response_sigma: 1.0,
         };
         let out = run(&args).unwrap();
         // embedding + 2 x (q, k, v, o, gate/up/down, two norms of 32, q/k norms of 8) + final norm
@@ -486,6 +708,10 @@ mod tests {
             compare_backward: false,
             attention_backend: "auto".into(),
             deterministic_mode: false,
+            lengths: "equal".into(),
+            samples: 64,
+            response_median: 1024,
+            response_sigma: 1.0,
         };
         let err = |a: BenchArgs| format!("{:#}", run(&a).unwrap_err());
         let e = err(BenchArgs {
