@@ -38,18 +38,28 @@ use vime_kernels::rms_norm;
 /// Rows per page of the pool.
 pub const PAGE: usize = 16;
 
+/// The longest sequence (prompt and response) a cache limited to `tokens` by
+/// [`KvCache::set_max_tokens`] can hold: its whole pages, less the padding row's page and one
+/// page of headroom (what `vime-serve` lowers its `max_model_len` to).
+pub fn longest_sequence_for(tokens: usize) -> usize {
+    ((tokens / PAGE).max(2) * PAGE).saturating_sub(2 * PAGE)
+}
+
 /// Smallest pool, in pages.
 const MIN_PAGES: usize = 4;
 
-/// One sequence: `len` live positions in the pool rows of its `pages`.
+/// One sequence: `len` live positions in the pool rows of its `pages`; `rows[t]` is position
+/// t's pool row, for every position its pages hold (kept with the pages, so that a decode step
+/// copies a sequence's row list instead of computing it again, one row at a time).
 struct Slot {
     len: usize,
     pages: Vec<u32>,
+    rows: Vec<u32>,
 }
 
 impl Slot {
     fn row(&self, pos: usize) -> u32 {
-        self.pages[pos / PAGE] * PAGE as u32 + (pos % PAGE) as u32
+        self.rows[pos]
     }
 }
 
@@ -247,14 +257,15 @@ impl KvCache {
         }
         let at = self.free_pages.len() - need;
         let new: Vec<u32> = self.free_pages.drain(at..).collect();
-        self.slots
-            .entry(slot)
-            .or_insert_with(|| Slot {
-                len: 0,
-                pages: Vec::new(),
-            })
-            .pages
-            .extend(new);
+        let s = self.slots.entry(slot).or_insert_with(|| Slot {
+            len: 0,
+            pages: Vec::new(),
+            rows: Vec::new(),
+        });
+        for &page in &new {
+            s.rows.extend((0..PAGE as u32).map(|t| page * PAGE as u32 + t));
+        }
+        s.pages.extend(new);
         Ok(())
     }
 
@@ -322,7 +333,7 @@ impl KvCache {
                 );
             }
             write.extend((p..p + n).map(|t| s.row(t)));
-            read.extend((0..p + n).map(|t| s.row(t)));
+            read.extend_from_slice(&s.rows[..p + n]);
             cu_k.push(read.len() as u32);
         }
         let (nw, nr) = (write.len(), read.len());
@@ -633,7 +644,7 @@ impl Qwen3 {
             ids.push(tok);
             positions.push(p as u32);
             write.push(s.row(p));
-            read.extend((0..=p).map(|t| s.row(t)));
+            read.extend_from_slice(&s.rows[..=p]);
             cu_k.push(read.len() as u32);
             max_len = max_len.max(p + 1);
         }

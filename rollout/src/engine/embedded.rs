@@ -405,7 +405,8 @@ impl RolloutEngine for EmbeddedEngine {
                     bail!(
                         "request {i}: its prompt ({} tokens) and max_tokens ({}) need up to {} tokens of KV \
                          cache, more than the engine's {cap}-token cache can give one sequence ({room}); \
-                         raise --gpu-memory-utilization / --kv-cache-tokens or lower max_tokens",
+                         raise the cache (vime-serve: --gpu-memory-utilization or --kv-cache-tokens; vime-train: \
+                         --rollout-kv-cache-tokens) or lower max_tokens",
                         r.prompt_ids.len(),
                         r.params.max_tokens,
                         most(r)
@@ -631,8 +632,8 @@ impl RolloutEngine for EmbeddedEngine {
             self.preemptions.fetch_add(preempted as u64, Ordering::Relaxed);
             eprintln!(
                 "vime: the engine's KV cache ({} tokens) ran full: {preempted} preemptions, each sequence recomputed \
-                 from its prompt and tokens when admitted again (--gpu-memory-utilization / --kv-cache-tokens give \
-                 it more room)",
+                 from its prompt and tokens when admitted again (vime-serve's --gpu-memory-utilization or \
+                 --kv-cache-tokens, vime-train's --rollout-kv-cache-tokens give it more room)",
                 cache.max_tokens().unwrap_or(0)
             );
         }

@@ -111,6 +111,12 @@ pub struct TrainArgs {
     /// vime-serve, see `--vllm-url`).
     #[arg(long, default_value = "embedded")]
     pub rollout_engine: String,
+    /// vime: the built-in engine's KV cache, in tokens (`vime-serve --kv-cache-tokens`). When
+    /// the rollout's sequences need more, running sequences are preempted and recomputed later
+    /// (the same outputs, more time; `rollout/kv_preemptions` counts them) instead of running
+    /// the GPU out of memory. Default: no limit (the cache grows to what the rollout needs).
+    #[arg(long)]
+    pub rollout_kv_cache_tokens: Option<usize>,
     /// slime's flag: `vllm` is `--rollout-engine vllm` (engines at --vllm-url, or launched on the
     /// rollout GPUs of the placement); `sglang` is refused (vime does not drive SGLang).
     #[arg(long)]
@@ -540,6 +546,19 @@ impl TrainArgs {
                 "--rollout-engine vllm needs --vllm-url URL (or --vllm-launch)"
             ),
             other => bail!("--rollout-engine {other:?}: expected embedded or vllm"),
+        }
+        if let Some(t) = self.rollout_kv_cache_tokens {
+            ensure!(
+                self.rollout_engine == "embedded",
+                "--rollout-kv-cache-tokens sizes the built-in engine's cache; vLLM engines size theirs with --vllm-gpu-memory-utilization"
+            );
+            let room = vime_qwen3::infer::longest_sequence_for(t);
+            ensure!(
+                room > self.rollout_max_response_len,
+                "--rollout-kv-cache-tokens {t} holds sequences of at most {room} tokens, too few for a prompt and a response of --rollout-max-response-len {} (give at least {})",
+                self.rollout_max_response_len,
+                (self.rollout_max_response_len + 1).div_ceil(vime_qwen3::infer::PAGE) * vime_qwen3::infer::PAGE + 2 * vime_qwen3::infer::PAGE
+            );
         }
         if !self.rm_type.trim().is_empty() {
             self.rm_type.parse::<vime_rollout::reward::RmType>()?;

@@ -132,12 +132,19 @@ pub fn transport_factory(
 }
 
 impl Engine {
-    pub fn embedded(policy: &Qwen3, eos_token_ids: Vec<u32>, seed: u64, args: &SyncArgs) -> Result<Self> {
+    pub fn embedded(
+        policy: &Qwen3,
+        eos_token_ids: Vec<u32>,
+        seed: u64,
+        kv_cache_tokens: Option<usize>,
+        args: &SyncArgs,
+    ) -> Result<Self> {
         let mut copy = Qwen3::from_tensors(policy.config().clone(), copy_weights(policy)?)?;
         copy.set_kernel_config(policy.kernel_config().clone());
         let opts = EngineOptions {
             eos_token_ids,
             seed,
+            kv_cache_tokens,
             ..EngineOptions::for_config(policy.config())
         };
         let plan = sync_plan(
@@ -225,6 +232,15 @@ impl Engine {
                     if args.colocate { ", colocated" } else { "" }
                 )
             }
+        }
+    }
+
+    /// Sequences the built-in engine preempted because its KV cache ran full, over its life
+    /// (`--rollout-kv-cache-tokens`); None for HTTP engines.
+    pub fn preemptions(&self) -> Option<u64> {
+        match self {
+            Engine::Embedded { engine, .. } => Some(engine.preemptions()),
+            Engine::Remote { .. } => None,
         }
     }
 

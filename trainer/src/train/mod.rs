@@ -509,7 +509,13 @@ impl<'a> Run<'a> {
         let engine_policy = whole.as_ref().unwrap_or(&policy);
         let engine = match args.rollout_engine.as_str() {
             _ if !rank0 => None,
-            "embedded" => Some(Engine::embedded(engine_policy, eos_ids.clone(), args.seed, &args.sync)?),
+            "embedded" => Some(Engine::embedded(
+                engine_policy,
+                eos_ids.clone(),
+                args.seed,
+                args.rollout_kv_cache_tokens,
+                &args.sync,
+            )?),
             _ => {
                 let sync_dir = args
                     .save
@@ -1008,6 +1014,7 @@ impl<'a> Run<'a> {
         let t = Instant::now();
         let phase = self.ui.spinner(if is_rl { "rollout" } else { "batch" });
         // Rank 0 generates (or builds the SFT samples) and sends them to every rank.
+        let preempted_before = self.engine.as_ref().and_then(Engine::preemptions);
         let mine = (self.world.rank() == 0).then(|| {
             if is_rl {
                 self.generate_samples(&prompts, rollout_id)
@@ -1026,6 +1033,13 @@ impl<'a> Run<'a> {
                 gen_tokens as f64 / rollout_time.max(1e-9),
             );
             rollout_metrics(&samples, args, &mut m);
+            if let (Some(before), Some(after), Some(_)) = (
+                preempted_before,
+                self.engine.as_ref().and_then(Engine::preemptions),
+                args.rollout_kv_cache_tokens,
+            ) {
+                m.insert("rollout/kv_preemptions".into(), (after - before) as f64);
+            }
             if let Some(s) = samples.first() {
                 let prompt = self
                     .tokenizer
