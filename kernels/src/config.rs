@@ -65,6 +65,17 @@ pub enum DecodeKernel {
     Pipelined,
 }
 
+impl std::str::FromStr for DecodeKernel {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "registers" => Ok(DecodeKernel::Registers),
+            "pipelined" => Ok(DecodeKernel::Pipelined),
+            other => Err(format!("decode kernel {other:?}: registers or pipelined")),
+        }
+    }
+}
+
 /// The kernel settings one model runs with. `Default`: `auto`, non-deterministic, `fallback`.
 /// Clones share the fallback latch.
 #[derive(Debug, Clone, Default)]

@@ -106,6 +106,10 @@ struct Args {
     /// bit for bit (no CUDA graphs; slower decoding).
     #[arg(long)]
     true_on_policy_mode: bool,
+    /// vime's: the CUDA decode-attention kernel, registers (keys loaded into registers) or
+    /// pipelined (keys staged through shared memory with cp.async); `cuda/decode.cu`.
+    #[arg(long, default_value = "registers")]
+    decode_kernel: String,
     /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
     #[arg(long, default_value_t = 300.0)]
     weight_transfer_timeout: f64,
@@ -201,6 +205,7 @@ fn parse_dtype(s: &str, cfg: &Qwen3Config) -> Result<DType> {
 }
 
 /// The engine vime-serve runs: the built-in engine on the checkpoint, EOS left to the server.
+#[allow(clippy::too_many_arguments)]
 fn build_engine(
     dir: &std::path::Path,
     dtype: DType,
@@ -209,6 +214,7 @@ fn build_engine(
     kv: KvSize,
     dummy: bool,
     true_on_policy: bool,
+    decode: vime_kernels::config::DecodeKernel,
 ) -> Result<(Arc<dyn RolloutEngine>, Option<usize>)> {
     let mut model = if dummy {
         let cfg = Qwen3Config::from_file(&dir.join("config.json"))?;
@@ -216,7 +222,11 @@ fn build_engine(
     } else {
         Qwen3::load_hf(dir, dtype, device).with_context(|| format!("loading {}", dir.display()))?
     };
-    let kernels = model.kernel_config().clone().with_batch_invariant(true_on_policy);
+    let kernels = model
+        .kernel_config()
+        .clone()
+        .with_batch_invariant(true_on_policy)
+        .with_decode_kernel(decode);
     model.set_kernel_config(kernels);
     let mut opts = opts;
     opts.kv_cache_tokens = match kv {
@@ -358,15 +368,19 @@ async fn main() -> Result<()> {
     let engine = {
         let (dir, device) = (dir.clone(), device.clone());
         let invariant = args.true_on_policy_mode;
-        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, kv, dummy, invariant)).await??
+        let decode: vime_kernels::config::DecodeKernel = args
+            .decode_kernel
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--decode-kernel: {e}"))?;
+        tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, kv, dummy, invariant, decode))
+            .await??
     };
     let (engine, kv_tokens) = engine;
     // As vLLM: no sequence may be longer than the KV cache can hold (vLLM refuses to start; here
     // the served max_model_len comes down to it, so prompts past it get a 400 and completions
     // stop at it, instead of a request that can never fit failing the batch it shares).
     if let Some(t) = kv_tokens {
-        let page = vime_qwen3::infer::PAGE;
-        let room = ((t / page).max(2) * page).saturating_sub(2 * page);
+        let room = vime_qwen3::infer::longest_sequence_for(t);
         if room < serve_cfg.max_model_len {
             eprintln!(
                 "vime-serve: max_model_len {} -> {room}: the longest sequence the {t}-token KV cache holds",
