@@ -81,6 +81,103 @@ struct Partial {
     // VD_TILE keys of this half-warp (K and V: this lane's 8 dims of each; `ok`: inside the split).
     __device__ __forceinline__ void step(const uint4 (&kr)[VD_TILE], const uint4 (&vr)[VD_TILE],
                                          const bool (&ok)[VD_TILE]) {
+        if constexpr (VD_TILE * G == 4 || VD_TILE * G == 8 || VD_TILE * G == 16) {
+            step_scatter(kr, vr, ok);
+        } else {
+            step_butterfly(kr, vr, ok);
+        }
+    }
+
+    // G = 1, 2, 4 (Qwen3 0.6B-8B have G = 2 or 4). The N = VD_TILE x G partial dot products of
+    // a lane are reduced over the half-warp by a reduce-scatter (each of the log2 N exchange
+    // steps sends half of what is left: N - 1 shuffles in all, 15 at G = 4, where a butterfly
+    // per dot product takes 4 N = 64), which leaves lane sl with the whole dot product of one
+    // (key, head) pair. That lane computes its pair's exp2 (1 exponential a lane where every lane
+    // computed all N), and the N weights are gathered back for the P.V sums. Why: at 8 dims a
+    // lane the register kernel is bound by instruction issue (shuffles and exponentials), not
+    // by the bytes in flight; the shared-memory pipelined kernel, with the butterfly's
+    // arithmetic, was 4-15 % slower (engine_ops, 583802f).
+    __device__ __forceinline__ void step_scatter(const uint4 (&kr)[VD_TILE], const uint4 (&vr)[VD_TILE],
+                                                 const bool (&ok)[VD_TILE]) {
+        constexpr int N = VD_TILE * G;
+        constexpr int LOGN = N == 16 ? 4 : N == 8 ? 3 : 2;
+        constexpr int SHIFT = 4 - LOGN;  // lane sl ends with pair sl >> SHIFT
+        const int sl = threadIdx.x & 15;
+        float v[N];
+#pragma unroll
+        for (int t = 0; t < VD_TILE; ++t) {
+            float kf[8];
+            cvt8(kr[t], kf);
+#pragma unroll
+            for (int h = 0; h < G; ++h) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) d = fmaf(qf[h][i], kf[i], d);
+                v[t * G + h] = d;  // pair index t * G + h
+            }
+        }
+        // Exchange step k (mask 8 >> k): a lane keeps the upper half of what it holds when its
+        // mask bit is set, the lower half otherwise, and adds its partner's copy of that half.
+#pragma unroll
+        for (int k = 0; k < LOGN; ++k) {
+            const int mask = 8 >> k;
+            const bool up = (sl & mask) != 0;
+#pragma unroll
+            for (int i = 0; i < (N >> (k + 1)); ++i) {
+                const float lo = v[i], hi = v[i + (N >> (k + 1))];
+                v[i] = (up ? hi : lo) + __shfl_xor_sync(0xffffffff, up ? lo : hi, mask);
+            }
+        }
+        float sc = v[0];
+#pragma unroll
+        for (int mask = 8 >> LOGN; mask >= 1; mask >>= 1) sc += __shfl_xor_sync(0xffffffff, sc, mask);
+        const int pair = sl >> SHIFT, t_own = pair / G, h_own = pair % G;
+        bool ok_own = ok[0];
+        float m_own = m[0];
+#pragma unroll
+        for (int t = 1; t < VD_TILE; ++t) ok_own = t == t_own ? ok[t] : ok_own;
+#pragma unroll
+        for (int h = 1; h < G; ++h) m_own = h == h_own ? m[h] : m_own;
+        if (!ok_own) sc = -INFINITY;
+        // The tile's max of each head: over the keys (pair bits above the head's, lane bits 2-3).
+        float mt = fmaxf(sc, __shfl_xor_sync(0xffffffff, sc, 4));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffff, mt, 8));
+        const float mm_own = fmaxf(m_own, mt);
+        const float p_own = ok_own ? exp2f(sc - mm_own) : 0.f;
+        float mm[G];
+#pragma unroll
+        for (int h = 0; h < G; ++h) mm[h] = fmaxf(m[h], __shfl_sync(0xffffffff, mt, h << SHIFT, 16));
+        float pw[VD_TILE][G];
+#pragma unroll
+        for (int t = 0; t < VD_TILE; ++t)
+#pragma unroll
+            for (int h = 0; h < G; ++h) pw[t][h] = __shfl_sync(0xffffffff, p_own, (t * G + h) << SHIFT, 16);
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+            const float c = rescale(m[h], mm[h]);
+            float ls = 0.f;
+#pragma unroll
+            for (int t = 0; t < VD_TILE; ++t) ls += pw[t][h];
+            l[h] = l[h] * c + ls;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[h][i] *= c;
+            m[h] = mm[h];
+        }
+#pragma unroll
+        for (int t = 0; t < VD_TILE; ++t) {
+            float vf[8];
+            cvt8(vr[t], vf);
+#pragma unroll
+            for (int h = 0; h < G; ++h)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(pw[t][h], vf[i], acc[h][i]);
+        }
+    }
+
+    // Any G: each dot product reduced by its own butterfly over the half-warp, every lane
+    // computing every weight.
+    __device__ __forceinline__ void step_butterfly(const uint4 (&kr)[VD_TILE], const uint4 (&vr)[VD_TILE],
+                                                   const bool (&ok)[VD_TILE]) {
         float s[VD_TILE][G];
 #pragma unroll
         for (int t = 0; t < VD_TILE; ++t) {
