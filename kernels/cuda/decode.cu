@@ -437,7 +437,9 @@ __device__ __forceinline__ void decode_pipelined(const __nv_bfloat16* __restrict
             kr[u] = tb[kk * 32 + sl];
             vr[u] = tb[kk * 32 + 16 + sl];
         }
-        p.step(kr, vr, ok);
+        // The butterfly: with the reduce-scatter this kernel needed a 64-byte stack frame and ran
+        // 30-50 % slower (engine_ops, d9065b2); with the butterfly it is 583802f's kernel.
+        p.step_butterfly(kr, vr, ok);
     }
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the tiles: their bytes become the merge's

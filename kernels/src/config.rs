@@ -56,8 +56,9 @@ pub enum CudnnFailure {
 /// The CUDA decode-attention kernel (`cuda/decode.cu`): `Registers` (the default, measured on
 /// the H200: 1.3-2.9 TB/s of K and V) loads each warp's keys into registers; `Pipelined` stages
 /// the block's keys through shared memory with cp.async, three 32-key tiles ahead, so the bytes
-/// in flight cost no registers. `Pipelined` passes nothing on the GPU yet (written without device
-/// time): `engine_ops` in `tests/cuda_vs_cpu.rs` checks and times both.
+/// in flight cost no registers. Both pass `engine_ops` (`tests/cuda_vs_cpu.rs`, which checks and
+/// times them) on the H200; `Pipelined` was 4-15 % slower at every shape timed (583802f), so it
+/// stays opt-in (`vime-serve --decode-kernel pipelined`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeKernel {
     #[default]
