@@ -175,7 +175,9 @@ struct Partial {
     }
 
     // Any G: each dot product reduced by its own butterfly over the half-warp, every lane
-    // computing every weight.
+    // computing every weight. Its dot-product loop repeats step_scatter's on purpose: sharing
+    // one helper changed the register counts of the kernels that run this step (ptxas,
+    // by 1-16 registers), which no H200 run has measured.
     __device__ __forceinline__ void step_butterfly(const uint4 (&kr)[VD_TILE], const uint4 (&vr)[VD_TILE],
                                                    const bool (&ok)[VD_TILE]) {
         float s[VD_TILE][G];

@@ -363,6 +363,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     let all_lengths: Vec<usize> = plan.iter().flatten().copied().collect();
     let tokens: usize = all_lengths.iter().sum();
     let fpt = flops_of_lengths(&cfg, &all_lengths) / tokens as f64;
+    let mean_len = tokens as f64 / all_lengths.len() as f64;
+    let fill = tokens as f64 / (plan.len() * args.max_tokens_per_gpu) as f64;
     let mut batches = Vec::new();
     for mb in &plan {
         let seqs: Vec<Vec<u32>> = mb
@@ -381,10 +383,10 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
             all_lengths.len(),
             all_lengths.iter().min().unwrap_or(&0),
             all_lengths.iter().max().unwrap_or(&0),
-            tokens as f64 / all_lengths.len() as f64,
+            mean_len,
             plan.len(),
             args.max_tokens_per_gpu,
-            100.0 * tokens as f64 / (plan.len() * args.max_tokens_per_gpu) as f64
+            100.0 * fill
         );
     }
     let objective = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> {
@@ -442,9 +444,9 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "lengths": args.lengths,
         "samples": all_lengths.len(),
         "tokens_per_step": tokens,
-        "mean_sample_len": tokens as f64 / all_lengths.len() as f64,
+        "mean_sample_len": mean_len,
         "max_sample_len": all_lengths.iter().max().copied().unwrap_or(0),
-        "micro_batch_fill": tokens as f64 / (plan.len() * args.max_tokens_per_gpu) as f64,
+        "micro_batch_fill": fill,
         "steps": args.steps,
         "step_s": step,
         "fwd_bwd_s": fb,
@@ -560,25 +562,14 @@ mod tests {
         let path = dir.path().join("config.json");
         std::fs::write(&path, tiny_config().to_string()).unwrap();
         let args = BenchArgs {
-            model: path.display().to_string(),
             seq_len: 48,
             max_tokens_per_gpu: 64,
-            micro_batches: 1,
-            steps: 1,
-            warmup: 0,
             recompute: "none".into(),
-            device: "cpu".into(),
             dtype: "f32".into(),
-            json: None,
-            backward: "explicit".into(),
-            layers: None,
-            compare_backward: false,
-            attention_backend: "auto".into(),
-            deterministic_mode: false,
             lengths: "ragged".into(),
             samples: 9,
             response_median: 8,
-            response_sigma: 1.0,
+            ..cpu_args(&path.display().to_string())
         };
         let out = run(&args).unwrap();
         // The same draw, packed independently: the step holds every sample once.
@@ -626,6 +617,31 @@ mod tests {
         assert!(e.contains("--response-sigma"), "{e}");
     }
 
+    /// bench-step's defaults on the CPU, one step, no warm-up.
+    fn cpu_args(model: &str) -> BenchArgs {
+        BenchArgs {
+            model: model.into(),
+            seq_len: 4096,
+            max_tokens_per_gpu: 4096,
+            micro_batches: 1,
+            steps: 1,
+            warmup: 0,
+            recompute: "full".into(),
+            device: "cpu".into(),
+            dtype: "bf16".into(),
+            json: None,
+            backward: "explicit".into(),
+            layers: None,
+            compare_backward: false,
+            attention_backend: "auto".into(),
+            deterministic_mode: false,
+            lengths: "equal".into(),
+            samples: 64,
+            response_median: 1024,
+            response_sigma: 1.0,
+        }
+    }
+
     fn tiny_config() -> serde_json::Value {
         serde_json::json!({
             "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
@@ -639,37 +655,21 @@ mod tests {
     #[test]
     fn a_tiny_step_runs_on_the_cpu_and_reports_sane_numbers() {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = serde_json::json!({
-            "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
-            "tie_word_embeddings": true, "attention_bias": false, "hidden_act": "silu",
-            "use_sliding_window": false, "max_window_layers": 2
-        });
+        let cfg = tiny_config();
         let path = dir.path().join("config.json");
         std::fs::write(&path, cfg.to_string()).unwrap();
         let json = dir.path().join("out.json");
         let args = BenchArgs {
-            model: path.display().to_string(),
             seq_len: 16,
             max_tokens_per_gpu: 40,
             micro_batches: 2,
             steps: 2,
             warmup: 1,
-            recompute: "full".into(),
-            device: "cpu".into(),
             dtype: "f32".into(),
             json: Some(json.clone()),
-            backward: "explicit".into(),
-            layers: None,
             // f32 on the CPU: the two backwards agree to ~1e-7, far inside the bound.
             compare_backward: true,
-            attention_backend: "auto".into(),
-            deterministic_mode: false,
-            lengths: "equal".into(),
-            samples: 64,
-            response_median: 1024,
-            response_sigma: 1.0,
+            ..cpu_args(&path.display().to_string())
         };
         let out = run(&args).unwrap();
         // embedding + 2 x (q, k, v, o, gate/up/down, two norms of 32, q/k norms of 8) + final norm
@@ -692,27 +692,7 @@ mod tests {
 
     #[test]
     fn bad_flags_are_clear_errors() {
-        let base = BenchArgs {
-            model: "qwen3-4b".into(),
-            seq_len: 4096,
-            max_tokens_per_gpu: 4096,
-            micro_batches: 1,
-            steps: 1,
-            warmup: 0,
-            recompute: "full".into(),
-            device: "cpu".into(),
-            dtype: "bf16".into(),
-            json: None,
-            backward: "explicit".into(),
-            layers: None,
-            compare_backward: false,
-            attention_backend: "auto".into(),
-            deterministic_mode: false,
-            lengths: "equal".into(),
-            samples: 64,
-            response_median: 1024,
-            response_sigma: 1.0,
-        };
+        let base = cpu_args("qwen3-4b");
         let err = |a: BenchArgs| format!("{:#}", run(&a).unwrap_err());
         let e = err(BenchArgs {
             model: "qwen9-1t".into(),

@@ -48,18 +48,25 @@ pub fn longest_sequence_for(tokens: usize) -> usize {
 /// Smallest pool, in pages.
 const MIN_PAGES: usize = 4;
 
-/// One sequence: `len` live positions in the pool rows of its `pages`; `rows[t]` is position
-/// t's pool row, for every position its pages hold (kept with the pages, so that a decode step
-/// copies a sequence's row list instead of computing it again, one row at a time).
+/// One sequence: `len` live positions; `rows[t]` is position t's pool row, for every position
+/// of the whole pages it holds (page `rows[k * PAGE] / PAGE` holds positions `k * PAGE..`), so
+/// that a call copies a sequence's row list instead of computing it one row at a time.
 struct Slot {
     len: usize,
-    pages: Vec<u32>,
     rows: Vec<u32>,
 }
 
 impl Slot {
     fn row(&self, pos: usize) -> u32 {
         self.rows[pos]
+    }
+
+    fn num_pages(&self) -> usize {
+        self.rows.len() / PAGE
+    }
+
+    fn pages(&self) -> impl Iterator<Item = u32> + '_ {
+        self.rows.iter().step_by(PAGE).map(|r| r / PAGE as u32)
     }
 }
 
@@ -196,7 +203,7 @@ impl KvCache {
 
     /// Pages `slot` lacks to hold `tokens` tokens (0 when it has them).
     pub fn pages_short(&self, slot: usize, tokens: usize) -> usize {
-        let have = self.slots.get(&slot).map_or(0, |s| s.pages.len());
+        let have = self.slots.get(&slot).map_or(0, Slot::num_pages);
         tokens.div_ceil(PAGE).saturating_sub(have)
     }
 
@@ -214,15 +221,15 @@ impl KvCache {
     /// for a new sequence.
     pub fn free(&mut self, slot: usize) {
         if let Some(s) = self.slots.remove(&slot) {
-            self.free_pages.extend(s.pages);
+            self.free_pages.extend(s.pages());
         }
     }
 
     /// Drops every slot.
     pub fn clear(&mut self) {
         let slots = std::mem::take(&mut self.slots);
-        for s in slots.into_values() {
-            self.free_pages.extend(s.pages);
+        for s in slots.values() {
+            self.free_pages.extend(s.pages());
         }
     }
 
@@ -256,16 +263,13 @@ impl KvCache {
             self.grow(self.pages + need - self.free_pages.len())?;
         }
         let at = self.free_pages.len() - need;
-        let new: Vec<u32> = self.free_pages.drain(at..).collect();
         let s = self.slots.entry(slot).or_insert_with(|| Slot {
             len: 0,
-            pages: Vec::new(),
             rows: Vec::new(),
         });
-        for &page in &new {
+        for page in self.free_pages.drain(at..) {
             s.rows.extend((0..PAGE as u32).map(|t| page * PAGE as u32 + t));
         }
-        s.pages.extend(new);
         Ok(())
     }
 
@@ -325,10 +329,10 @@ impl KvCache {
                 .slots
                 .get(&slot)
                 .with_context(|| format!("KV cache slot {slot} was not reserved"))?;
-            if s.pages.len() * PAGE < p + n {
+            if s.rows.len() < p + n {
                 bail!(
                     "KV cache slot {slot} holds {} rows, the call needs {}",
-                    s.pages.len() * PAGE,
+                    s.rows.len(),
                     p + n
                 );
             }

@@ -109,7 +109,7 @@ struct Args {
     /// vime's: the CUDA decode-attention kernel, registers (keys loaded into registers) or
     /// pipelined (keys staged through shared memory with cp.async); `cuda/decode.cu`.
     #[arg(long, default_value = "registers")]
-    decode_kernel: String,
+    decode_kernel: vime_kernels::config::DecodeKernel,
     /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
     #[arg(long, default_value_t = 300.0)]
     weight_transfer_timeout: f64,
@@ -368,10 +368,7 @@ async fn main() -> Result<()> {
     let engine = {
         let (dir, device) = (dir.clone(), device.clone());
         let invariant = args.true_on_policy_mode;
-        let decode: vime_kernels::config::DecodeKernel = args
-            .decode_kernel
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--decode-kernel: {e}"))?;
+        let decode = args.decode_kernel;
         tokio::task::spawn_blocking(move || build_engine(&dir, dtype, &device, opts, kv, dummy, invariant, decode))
             .await??
     };
