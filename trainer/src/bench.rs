@@ -295,7 +295,11 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         other => bail!("--lengths {other:?}: equal or ragged"),
     };
     if ragged
-        && (args.micro_batches != 1 || args.samples == 0 || args.response_median == 0 || !(args.response_sigma >= 0.0))
+        && (args.micro_batches != 1
+            || args.samples == 0
+            || args.response_median == 0
+            || args.response_sigma.is_nan()
+            || args.response_sigma < 0.0)
     {
         bail!(
             "--lengths ragged: micro-batches come from dynamic batching (leave --micro-batches at 1), and it needs --samples >= 1, --response-median >= 1, --response-sigma >= 0"
