@@ -53,17 +53,33 @@ pub enum CudnnFailure {
     Error,
 }
 
-/// The CUDA decode-attention kernel (`cuda/decode.cu`): `Registers` (the default, measured on
-/// the H200: 1.3-2.9 TB/s of K and V) loads each warp's keys into registers; `Pipelined` stages
-/// the block's keys through shared memory with cp.async, three 32-key tiles ahead, so the bytes
-/// in flight cost no registers. Both pass `engine_ops` (`tests/cuda_vs_cpu.rs`, which checks and
-/// times them) on the H200; `Pipelined` was 4-15 % slower at every shape timed (583802f), so it
-/// stays opt-in (`vime-serve --decode-kernel pipelined`).
+/// The CUDA decode-attention kernel (`cuda/decode.cu`), forward only, never in the
+/// batch-invariant mode (which runs the training attention instead). All three pass
+/// `engine_ops` (`tests/cuda_vs_cpu.rs`, which checks and times each) on the H200.
+/// - `TensorCores` (the default): a kv head's query heads are the columns of m16n8k16 MMAs, one
+///   warp a block, K and V through a warp-private cp.async ring (`vime_decode_attn_t*`). Measured
+///   at 4.01 TB/s of K and V at batch 64 x 4096 keys, 1.35x the register kernel, and faster at
+///   every shape timed (`benches/results/2026-12-03-decode-tensor-cores-h200.md`).
+/// - `Registers` loads each warp's keys into registers (2.96 TB/s at that shape).
+/// - `Pipelined` stages a 128-thread block's keys through shared memory with cp.async, three
+///   32-key tiles ahead; 4-15 % slower than `Registers` at every shape timed (583802f).
+///
+/// `vime-serve --decode-kernel registers|pipelined` selects the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DecodeKernel {
-    #[default]
     Registers,
     Pipelined,
+    #[default]
+    TensorCores,
+}
+
+impl DecodeKernel {
+    /// Every variant, for checks and timings that cover them all.
+    pub const ALL: [DecodeKernel; 3] = [
+        DecodeKernel::Registers,
+        DecodeKernel::Pipelined,
+        DecodeKernel::TensorCores,
+    ];
 }
 
 impl std::str::FromStr for DecodeKernel {
@@ -72,7 +88,8 @@ impl std::str::FromStr for DecodeKernel {
         match s {
             "registers" => Ok(DecodeKernel::Registers),
             "pipelined" => Ok(DecodeKernel::Pipelined),
-            other => Err(format!("decode kernel {other:?}: registers or pipelined")),
+            "tensor-cores" => Ok(DecodeKernel::TensorCores),
+            other => Err(format!("decode kernel {other:?}: registers, pipelined or tensor-cores")),
         }
     }
 }

@@ -1608,7 +1608,8 @@ pub fn rows_write(pool: &Tensor, src: &Tensor, rows: &Tensor) -> Result<()> {
 /// [`crate::decode::decode_attention`] on the device: `q: [B, H, 128]` bf16, the pools
 /// `[capacity, Hkv x 128]` bf16, `rows` and `meta` (offsets then chunk) u32 on the device
 /// (checked by the caller), `max_len` the longest sequence. One split-KV launch over
-/// `plan.splits`, plus a merge when there is more than one split.
+/// `plan.splits`, plus a merge when there is more than one split (always for `TensorCores`,
+/// whose blocks are `VT_SUB` warps' shares of a split: see `cuda/decode.cu`).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
     q: &Tensor,
@@ -1619,8 +1620,9 @@ pub fn decode_attention(
     plan: crate::decode::SplitPlan,
     max_len: usize,
     scale: f64,
-    pipelined: bool,
+    kernel: crate::config::DecodeKernel,
 ) -> Result<Tensor> {
+    use crate::config::DecodeKernel;
     let dev = match q.device() {
         candle_core::Device::Cuda(d) => d.clone(),
         _ => bail!("decode_attention: q must be on a CUDA device"),
@@ -1644,7 +1646,13 @@ pub fn decode_attention(
         dev.alloc_zeros::<bf16>(n.max(1))?
     };
     if run {
-        let splits = plan.splits;
+        // Blocks per split and threads per block (`VT_SUB` and one warp for the tensor-core kernel).
+        let (sub, threads) = if kernel == DecodeKernel::TensorCores {
+            (4, 32)
+        } else {
+            (1, 128)
+        };
+        let splits = plan.splits * sub;
         let (part_o, part_lse) = if splits > 1 {
             // Safety: the kernel writes every (row, split) of both.
             unsafe {
@@ -1673,11 +1681,15 @@ pub fn decode_attention(
         );
         let (h_i, hkv_i) = (h as i32, hkv as i32);
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
-        let kind = if pipelined { "p" } else { "g" };
+        let kind = match kernel {
+            DecodeKernel::Registers => "g",
+            DecodeKernel::Pipelined => "p",
+            DecodeKernel::TensorCores => "t",
+        };
         let f = decode_fn(&dev, &format!("vime_decode_attn_{kind}{}", h / hkv))?;
         let launch = LaunchConfig {
             grid_dim: (splits as u32, hkv as u32, b as u32),
-            block_dim: (128, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         launch!(

@@ -7,7 +7,7 @@
 //! Decisions:
 //! - On CUDA, bf16, `d = 128` and 1-8 query heads per kv head: one split-KV kernel
 //!   (`cuda/decode.cu`) that reads the pool rows in place, no gather and no 128-row query tiles;
-//!   which of its two variants runs is [`KernelConfig::decode_kernel`] (`DecodeKernel`).
+//!   which of its variants runs is [`KernelConfig::decode_kernel`] (`DecodeKernel`).
 //! - Everywhere else: the rows are gathered and [`crate::varlen_attention`] runs with one query per
 //!   sequence, which is also the reference the kernel is tested against (`tests/cuda_vs_cpu.rs`).
 //! - Forward only: decoding keeps no graph.
@@ -120,8 +120,17 @@ pub fn decode_attention(
     }
     #[cfg(feature = "cuda")]
     if crate::cuda::fused(q.device(), q.dtype()) && d == 128 && (1..=8).contains(&(h / hkv)) {
-        let pipelined = kernels.decode_kernel() == crate::config::DecodeKernel::Pipelined;
-        return crate::cuda::decode_attention(q, k_pool, v_pool, rows, meta, plan, max_len, softmax_scale, pipelined);
+        return crate::cuda::decode_attention(
+            q,
+            k_pool,
+            v_pool,
+            rows,
+            meta,
+            plan,
+            max_len,
+            softmax_scale,
+            kernels.decode_kernel(),
+        );
     }
     let used = cu_k[b] as usize;
     let rows = rows.narrow(0, 0, used)?;

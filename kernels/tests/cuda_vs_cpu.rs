@@ -666,12 +666,9 @@ fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Stri
 /// The decode kernel against the CPU path (gather + the CPU attention kernel, one query per
 /// sequence) on the same bf16 pool: lengths from 1 to past one split (so the merge runs), rows
 /// scattered over the pool as the paged cache scatters them, 2 and 4 query heads per kv head
-/// (Qwen3-0.6B and 4B), and a batch of 1 (most splits) and of 64.
+/// (Qwen3-0.6B and 4B) and 1 and 8, and a batch of 1 (most splits) and of 64.
 fn check_decode_attention(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    for kernel in [
-        vime_kernels::DecodeKernel::Registers,
-        vime_kernels::DecodeKernel::Pipelined,
-    ] {
+    for kernel in vime_kernels::DecodeKernel::ALL {
         check_decode_attention_with(gpu, rng, failures, kernel)?;
     }
     Ok(())
@@ -688,6 +685,9 @@ fn check_decode_attention_with(
         (vec![1usize, 17, 64, 65, 300, 1000, 4097], 16usize),
         (vec![5000], 32),
         ((0..64).map(|i| 1 + i * 37).collect::<Vec<_>>(), 32),
+        // 1 and 8 query heads a kv head: the tensor-core kernel's narrowest and fullest MMA tile.
+        (vec![3, 16, 17, 700], 8),
+        (vec![1, 33, 2000], 64),
     ] {
         let (hkv, d) = (8usize, 128usize);
         let total: usize = lens.iter().sum();
@@ -775,10 +775,7 @@ fn time_decode_attention(gpu: &Device, rng: &mut Rng) -> Result<()> {
         let meta = plan.device_meta(&cu);
         let meta_t = Tensor::from_vec(meta.clone(), meta.len(), gpu)?;
         let bytes = (total * hkv * d * 2 * 2) as f64;
-        for kernel in [
-            vime_kernels::DecodeKernel::Registers,
-            vime_kernels::DecodeKernel::Pipelined,
-        ] {
+        for kernel in vime_kernels::DecodeKernel::ALL {
             let kernels = vime_kernels::KernelConfig::default().with_decode_kernel(kernel);
             let ms = median_ms(gpu, 20, &mut || {
                 for _ in 0..10 {

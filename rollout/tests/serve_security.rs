@@ -522,7 +522,7 @@ fn vime_serve_kv_cache_tokens_flag() {
             &["--gpu-memory-utilization", "1.5"][..],
             "--gpu-memory-utilization must be in (0, 1]",
         ),
-        (&["--decode-kernel", "fast"][..], "registers or pipelined"),
+        (&["--decode-kernel", "fast"][..], "registers, pipelined or tensor-cores"),
     ] {
         let (mut child, lines, _) = Proc::spawn(args, &[]);
         let status = child.wait().unwrap();

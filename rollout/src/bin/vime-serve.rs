@@ -106,9 +106,10 @@ struct Args {
     /// bit for bit (no CUDA graphs; slower decoding).
     #[arg(long)]
     true_on_policy_mode: bool,
-    /// vime's: the CUDA decode-attention kernel, registers (keys loaded into registers) or
-    /// pipelined (keys staged through shared memory with cp.async); `cuda/decode.cu`.
-    #[arg(long, default_value = "registers")]
+    /// vime's: the CUDA decode-attention kernel, tensor-cores (a kv head's query heads as MMA
+    /// columns, one warp a block; the fastest measured), registers (keys loaded into registers)
+    /// or pipelined (keys staged through shared memory with cp.async); `cuda/decode.cu`.
+    #[arg(long, default_value = "tensor-cores")]
     decode_kernel: vime_kernels::config::DecodeKernel,
     /// Seconds a weight-sync rendezvous or one bucket may take before the call fails.
     #[arg(long, default_value_t = 300.0)]
