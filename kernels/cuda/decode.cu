@@ -39,12 +39,15 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "tile_ptx.cuh"
+
 #define VD_D 128
 #define VD_WARPS 4
 #define VD_THREADS (VD_WARPS * 32)
 #define VD_TILE 4  // keys per lane group per iteration
 
 namespace vd {
+using namespace vptx;  // tile_ptx.cuh: cp.async, ldmatrix, mma, pack_bf16, sw256
 
 __device__ __forceinline__ void cvt8(const uint4 raw, float* f) {
     const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -369,16 +372,6 @@ VD_KERNEL(8)
 
 namespace vd {
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-    const int sz = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 template <int G>
 __device__ __forceinline__ void decode_pipelined(const __nv_bfloat16* __restrict__ q,
                                                  const __nv_bfloat16* __restrict__ kpool,
@@ -507,36 +500,12 @@ VD_PKERNEL(8)
 
 namespace vd {
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-// D += A * B, m16n8k16, bf16 inputs, f32 accumulators.
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// An 8x8 b16 matrix held one register a lane in the MMA fragment layout, transposed.
 __device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
     uint32_t y;
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
     return y;
 }
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-// Byte offset of 16-byte chunk `ch` of key row `r` (256 bytes) in a group's K or V tile,
-// XOR-swizzled so that ldmatrix's 8 rows and cp.async's writes hit distinct banks.
-__device__ __forceinline__ uint32_t vt_sw(int r, int ch) { return (uint32_t)(r * 256 + ((ch ^ (r & 7)) << 4)); }
 
 template <int G>
 __device__ __forceinline__ void decode_tensor(const __nv_bfloat16* __restrict__ q,
@@ -588,8 +557,8 @@ __device__ __forceinline__ void decode_tensor(const __nv_bfloat16* __restrict__ 
                 const unsigned row = __shfl_sync(0xffffffff, row16, key);
                 const bool ok = row != 0xffffffffu;
                 const size_t off = ok ? (size_t)row * width + (size_t)kvh * VD_D + ch * 8 : 0;
-                cp_async16(dk + vt_sw(key, ch), kpool + off, ok);
-                cp_async16(dk + 4096 + vt_sw(key, ch), vpool + off, ok);
+                cp_async16(dk + sw256(key, ch), kpool + off, ok);
+                cp_async16(dk + 4096 + sw256(key, ch), vpool + off, ok);
             }
         }
         cp_async_commit();  // an empty group past the last keeps the count
@@ -619,8 +588,8 @@ __device__ __forceinline__ void decode_tensor(const __nv_bfloat16* __restrict__ 
 #pragma unroll
         for (int c = 0; c < 8; c += 2) {
             uint32_t a[4], a2[4];
-            ldsm_x4(a, kst + vt_sw(k_row, 2 * c + k_ch));
-            ldsm_x4(a2, kst + vt_sw(k_row, 2 * (c + 1) + k_ch));
+            ldsm_x4(a[0], a[1], a[2], a[3], kst + sw256(k_row, 2 * c + k_ch));
+            ldsm_x4(a2[0], a2[1], a2[2], a2[3], kst + sw256(k_row, 2 * (c + 1) + k_ch));
             mma16816(sa, a, qb[c][0], qb[c][1]);
             mma16816(sb, a2, qb[c + 1][0], qb[c + 1][1]);
         }
@@ -652,11 +621,11 @@ __device__ __forceinline__ void decode_tensor(const __nv_bfloat16* __restrict__ 
             acc[i][2] *= c0;
             acc[i][3] *= c1;
         }
-        const uint32_t pb0 = movmatrix_t(pack_bf16x2(p0, p1)), pb1 = movmatrix_t(pack_bf16x2(p2, p3));
+        const uint32_t pb0 = movmatrix_t(pack_bf16(p0, p1)), pb1 = movmatrix_t(pack_bf16(p2, p3));
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             uint32_t a[4];
-            ldsm_x4_t(a, vst + vt_sw(v_row, 2 * i + v_ch));
+            ldsm_x4_t(a[0], a[1], a[2], a[3], vst + sw256(v_row, 2 * i + v_ch));
             mma16816(acc[i], a, pb0, pb1);
         }
     }

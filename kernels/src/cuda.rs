@@ -1646,11 +1646,12 @@ pub fn decode_attention(
         dev.alloc_zeros::<bf16>(n.max(1))?
     };
     if run {
-        // Blocks per split and threads per block (`VT_SUB` and one warp for the tensor-core kernel).
-        let (sub, threads) = if kernel == DecodeKernel::TensorCores {
-            (4, 32)
-        } else {
-            (1, 128)
+        // The kernel's name letter, its blocks per split and threads per block: the tensor-core
+        // kernel is one warp a block and `VT_SUB` (4, `cuda/decode.cu`) blocks a split.
+        let (kind, sub, threads) = match kernel {
+            DecodeKernel::Registers => ("g", 1, 128),
+            DecodeKernel::Pipelined => ("p", 1, 128),
+            DecodeKernel::TensorCores => ("t", 4, 32),
         };
         let splits = plan.splits * sub;
         let (part_o, part_lse) = if splits > 1 {
@@ -1681,11 +1682,6 @@ pub fn decode_attention(
         );
         let (h_i, hkv_i) = (h as i32, hkv as i32);
         let scale_log2 = (scale * std::f64::consts::LOG2_E) as f32;
-        let kind = match kernel {
-            DecodeKernel::Registers => "g",
-            DecodeKernel::Pipelined => "p",
-            DecodeKernel::TensorCores => "t",
-        };
         let f = decode_fn(&dev, &format!("vime_decode_attn_{kind}{}", h / hkv))?;
         let launch = LaunchConfig {
             grid_dim: (splits as u32, hkv as u32, b as u32),
