@@ -1406,6 +1406,39 @@ pub(crate) fn weight_grad_f32(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
     Ok(device_tensor(out, &dev, (n, d)))
 }
 
+/// `acc += dy^T x` in place: `acc: [N, D]` f32 (owned by the caller, contiguous), bf16
+/// `dy: [T, N]`, `x: [T, D]` (contiguous): [`weight_grad_f32`]'s GEMM with beta 1.
+pub(crate) fn weight_grad_acc_inplace(acc: &Tensor, dy: &Tensor, x: &Tensor) -> Result<()> {
+    let (t, n) = dy.dims2()?;
+    let (t2, d) = x.dims2()?;
+    if t != t2 || acc.dims() != [n, d] {
+        bail!(
+            "weight_grad_acc: acc {:?} != dy {:?}^T . x {:?}",
+            acc.dims(),
+            dy.dims(),
+            x.dims()
+        );
+    }
+    check_bf16("weight_grad_acc", &[dy.dtype(), x.dtype()])?;
+    if acc.dtype() != candle_core::DType::F32 {
+        bail!("weight_grad_acc: the running sum must be f32, not {:?}", acc.dtype());
+    }
+    let dev = match dy.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("weight_grad_acc: tensors must be on a CUDA device"),
+    };
+    if t == 0 || n == 0 || d == 0 {
+        return Ok(());
+    }
+    let (yp, xp, cp) = (
+        tensor_addr::<bf16>(dy, "weight_grad_acc dy")?,
+        tensor_addr::<bf16>(x, "weight_grad_acc x")?,
+        tensor_addr::<f32>(acc, "weight_grad_acc acc")?,
+    );
+    // As weight_grad_f32, with C read back (beta 1).
+    unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, 1.0, cp, true, d) }
+}
+
 /// `acc += a . w` in place, bf16: `acc: [T, D]` (owned by the caller, not shared), `a: [T, I]`,
 /// `w: [I, D]` (a weight as HF stores it, `[out, in]`), contiguous. One cuBLAS GEMM with beta 1
 /// (f32 accumulation, one rounding) instead of a GEMM into a new buffer and an add pass.

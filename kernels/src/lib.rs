@@ -104,6 +104,46 @@ pub fn weight_grad(dy: &candle_core::Tensor, x: &candle_core::Tensor) -> candle_
     }
 }
 
+/// `acc + dy^T x`: [`weight_grad`] added to a running sum `acc` (`[out, in]`, f32 or f64), e.g.
+/// the earlier micro-batches' gradient of the same weight; `None` is [`weight_grad`] itself.
+/// Fused CUDA (bf16 `dy`, `x`; contiguous f32 `acc`): the GEMM accumulates into `acc`'s buffer in
+/// place (cuBLAS beta = 1, Megatron's gradient-accumulation fusion), instead of a GEMM into a new
+/// f32 buffer and an add pass that reads both and writes a third (12 bytes a parameter per
+/// micro-batch, and a second f32 copy of every gradient alive at once). The caller must own
+/// `acc`. The value is the same: the GEMM's f32 accumulator plus `acc`, rounded once to f32, is
+/// what the add computes from the GEMM's f32 output. Elsewhere: [`weight_grad`] + add (in
+/// `acc`'s dtype). A shape mismatch is an error naming both shapes.
+pub fn weight_grad_into(
+    acc: Option<candle_core::Tensor>,
+    dy: &candle_core::Tensor,
+    x: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    let Some(acc) = acc else {
+        return weight_grad(dy, x);
+    };
+    let (out, inp) = (dy.dim(candle_core::D::Minus1)?, x.dim(candle_core::D::Minus1)?);
+    if acc.dims() != [out, inp] {
+        candle_core::bail!(
+            "weight gradient: the running sum is {:?}, but dy {:?} and x {:?} give [{out}, {inp}]",
+            acc.dims(),
+            dy.dims(),
+            x.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if fused_cuda(dy.device(), dy.dtype())
+        && x.dtype() == dy.dtype()
+        && acc.dtype() == candle_core::DType::F32
+        && acc.is_contiguous()
+        && acc.device().same_device(dy.device())
+    {
+        cuda::weight_grad_acc_inplace(&acc, &dy.contiguous()?, &x.contiguous()?)?;
+        return Ok(acc);
+    }
+    let g = weight_grad(dy, x)?.to_dtype(acc.dtype())?;
+    acc + g
+}
+
 /// `acc + a . w` (`acc: [T, D]`, `a: [T, I]`, `w: [I, D]`), consuming `acc`. Fused CUDA (bf16):
 /// the GEMM accumulates into `acc`'s buffer in place (cuBLAS beta = 1), saving an add pass; the
 /// caller must own `acc` (a fresh result, not shared with another tensor). Elsewhere: matmul +
@@ -123,4 +163,36 @@ pub fn matmul_acc(
         return Ok(acc);
     }
     acc + a.matmul(w)?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Tensor};
+
+    /// `weight_grad_into` on the CPU: the sum plus `dy^T x` computed by hand, in the sum's dtype
+    /// (f32 sum, bf16 inputs), `None` is `weight_grad`, and a sum of the wrong shape is an error
+    /// naming both shapes.
+    #[test]
+    fn weight_grad_into_adds_dy_t_x_to_the_sum() {
+        let dev = Device::Cpu;
+        let dy = Tensor::new(&[[1f32, 2.0], [3.0, -1.0], [0.5, 4.0]], &dev).unwrap();
+        let x = Tensor::new(&[[2f32, 0.0, 1.0], [1.0, 1.0, -2.0], [4.0, 2.0, 0.0]], &dev).unwrap();
+        let sum = Tensor::new(&[[10f32, 20.0, 30.0], [-1.0, -2.0, -3.0]], &dev).unwrap();
+        // dy^T x: row o, col i = sum_t dy[t, o] x[t, i].
+        let want = [
+            [10.0 + 7.0, 20.0 + 4.0, 30.0 - 5.0],
+            [-1.0 + 19.0, -2.0 + 7.0, -3.0 + 4.0],
+        ];
+        let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let got = weight_grad_into(Some(sum.clone()), &bf(&dy), &bf(&x)).unwrap();
+        assert_eq!(got.dtype(), DType::F32);
+        assert_eq!(got.to_vec2::<f32>().unwrap(), want);
+        let first = weight_grad_into(None, &bf(&dy), &bf(&x)).unwrap();
+        assert_eq!(first.to_vec2::<f32>().unwrap(), [[7.0, 4.0, -5.0], [19.0, 7.0, 4.0]]);
+        let e = weight_grad_into(Some(Tensor::zeros((3, 3), DType::F32, &dev).unwrap()), &dy, &x)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[3, 3]") && e.contains("[2, 3]"), "{e}");
+    }
 }

@@ -151,7 +151,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     )?;
 
     let scale = 1.0 / (128f64).sqrt();
-    let mut checks = 12;
+    let mut checks = 13;
     for (backend, tag) in attention_backends() {
         check_attention(
             tag,
@@ -204,6 +204,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
+    check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -609,6 +610,43 @@ fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
     );
     if !ok {
         failures.push(format!("sum_squares: rel err {worst:e}"));
+    }
+    Ok(())
+}
+
+/// A weight gradient accumulated into a running f32 sum by the GEMM itself (cuBLAS beta 1, in
+/// place: `weight_grad_into`) against the CPU's `sum + dy^T x` in f64, at a Qwen3-4B MLP shape
+/// (down_proj, 2560 x 9728, over 1040 tokens); the sum's buffer must be the one returned (in
+/// place), and a wrong-shaped sum an error naming both shapes.
+fn check_weight_grad_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (t, n, d) = (1040usize, 2560usize, 9728usize);
+    let dy = rng.randn(&[t, n], 1.0, DType::BF16, &Device::Cpu)?;
+    let x = rng.randn(&[t, d], 1.0, DType::BF16, &Device::Cpu)?;
+    let sum = rng.randn(&[n, d], 30.0, DType::F32, &Device::Cpu)?;
+    let want = (sum.to_dtype(DType::F64)? + dy.to_dtype(DType::F64)?.t()?.matmul(&x.to_dtype(DType::F64)?)?)?;
+    let sum_gpu = sum.to_device(gpu)?;
+    // A clone shares the buffer: written in place, it reads the new sum too.
+    let got = vime_kernels::weight_grad_into(Some(sum_gpu.clone()), &dy.to_device(gpu)?, &x.to_device(gpu)?)?;
+    let err = rel_err(&got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?, &want)?;
+    let in_place = rel_err(&sum_gpu.to_device(&Device::Cpu)?.to_dtype(DType::F64)?, &want)? <= 1e-5;
+    let bad = vime_kernels::weight_grad_into(
+        Some(Tensor::zeros((n, d + 1), DType::F32, gpu)?),
+        &dy.to_device(gpu)?,
+        &x.to_device(gpu)?,
+    );
+    let named =
+        matches!(&bad, Err(e) if e.to_string().contains("[2560, 9729]") && e.to_string().contains("[2560, 9728]"));
+    let ok = err <= 1e-5 && in_place && named;
+    println!(
+        "{:<26} {:<52} rel err vs f64 {err:.1e}, in place {in_place}, shape error {named}  {}",
+        "weight_grad_into",
+        "sum [2560, 9728] f32 + [1040, 2560]^T [1040, 9728]",
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!(
+            "weight_grad_into: rel err {err:e}, in place {in_place}, shape error {named}"
+        ));
     }
     Ok(())
 }

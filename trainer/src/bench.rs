@@ -401,6 +401,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         compare_backward(&mut model, &batches[0], recompute, &objective)?;
     }
     let tokens_per_step = tokens as f64;
+    let single = vime_dist::SingleRank::default();
     let (mut fb, mut optim, mut total) = (Vec::new(), Vec::new(), Vec::new());
     let mut sampler = None;
     let mut last_loss = 0.0;
@@ -411,9 +412,11 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         let s0 = Instant::now();
         let mut acc = GradAccumulator::new();
         for b in &batches {
-            let (loss, grads) = model.forward_backward(b, recompute, objective)?;
+            // As the trainer's optimizer step does: the running sums go through the backward.
+            let sums = acc.take_sums();
+            let (loss, grads) = model.forward_backward_into(b, recompute, objective, &single, None, None, sums)?;
             last_loss = loss;
-            acc.add(&grads.params)?;
+            acc.put_sums(grads.params)?;
         }
         device.synchronize()?;
         let s1 = Instant::now();

@@ -35,7 +35,7 @@
 use crate::batching::MicroBatch;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::config::Qwen3Config;
@@ -332,12 +332,49 @@ impl Critic {
     }
 
     /// The backbone's gradients without the unused LM head, plus the value head's.
+    /// Gradient accumulation (see `Qwen3::forward_backward_into`): this micro-batch's gradients
+    /// added to `sums`, the earlier micro-batches' (value head included), which come back as
+    /// `Gradients::params`. Under CP pass the `shard` and its `cp` group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_into(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&Tensor) -> Result<Tensor>,
+        tp: &dyn vime_dist::Collectives,
+        cp: Option<&dyn vime_dist::Collectives>,
+        shard: Option<&vime_qwen3::context_parallel::CpShard>,
+        mut sums: BTreeMap<String, Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        let head_sums: Vec<(String, Tensor)> = [VALUE_HEAD_WEIGHT, VALUE_HEAD_BIAS]
+            .into_iter()
+            .filter_map(|n| sums.remove(n).map(|t| (n.to_string(), t)))
+            .collect();
+        let (loss, mut grads) = self.backbone.forward_backward_with_head_into(
+            batch,
+            recompute,
+            |h| loss_fn(&self.head(h, true)?),
+            tp,
+            cp,
+            shard,
+            sums,
+        )?;
+        grads.params.extend(head_sums);
+        self.take_head_grads(loss, grads)
+    }
+
+    /// The value head's gradients into `grads.params` (added to a sum already there), and the
+    /// backbone's unused LM head out.
     fn take_head_grads(&self, loss: f64, mut grads: Gradients) -> Result<(f64, Gradients)> {
         grads.params.remove(LM_HEAD);
         for (name, var) in [(VALUE_HEAD_WEIGHT, &self.weight), (VALUE_HEAD_BIAS, &self.bias)] {
             let g = match grads.head.remove(var.as_tensor()) {
                 Some(g) => g,
                 None => var.as_tensor().zeros_like()?,
+            };
+            let g = match grads.params.remove(name) {
+                Some(sum) => (&sum + g.to_dtype(sum.dtype())?)?,
+                None => g,
             };
             grads.params.insert(name.to_string(), g);
         }

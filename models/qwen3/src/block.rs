@@ -340,12 +340,25 @@ fn sp_partial(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor>
     }
 }
 
-/// Adds `g` to the gradient of `name` (the first contribution is stored as is).
-fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
+/// Adds `g` to the gradient of `name` (the first contribution is stored as is; a later one is
+/// added in the dtype of the sum, e.g. an f32 running sum over micro-batches).
+pub(crate) fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
     let g = match grads.remove(&name) {
-        Some(prev) => (prev + g)?,
+        Some(prev) => {
+            let g = g.to_dtype(prev.dtype())?;
+            (prev + g).map_err(|e| anyhow::anyhow!("adding to the gradient of {name}: {e}"))?
+        }
         None => g,
     };
+    grads.insert(name, g);
+    Ok(())
+}
+
+/// Adds the weight gradient `dy^T x` to the gradient of `name`, by the GEMM itself when a sum is
+/// already there (`vime_kernels::weight_grad_into`: on CUDA in place, no add pass).
+fn put_wgrad(grads: &mut BTreeMap<String, Tensor>, name: String, dy: &Tensor, x: &Tensor) -> Result<()> {
+    let prev = grads.remove(&name);
+    let g = vime_kernels::weight_grad_into(prev, dy, x).map_err(|e| anyhow::anyhow!("gradient of {name}: {e}"))?;
     grads.insert(name, g);
     Ok(())
 }
@@ -554,14 +567,14 @@ impl Block {
         let t = s.qr.dim(0)?;
         let i = self.index;
         let name = |p: &str| format!("model.layers.{i}.{p}");
-        // dW = dY^T X in the weight's own [out, in] layout, in f32 (f64 models: f64).
-        let wgrad = |dy2: &Tensor, x2: &Tensor| -> Result<Tensor> { Ok(vime_kernels::weight_grad(dy2, x2)?) };
+        // dW = dY^T X in the weight's own [out, in] layout, in f32 (f64 models: f64), added by
+        // its GEMM to the sum already in `grads` (earlier micro-batches) if there is one.
         let bgrad = |dy2: &Tensor| -> Result<Tensor> { Ok(dy2.sum(0)?) };
 
         // MLP.
         let h2 = &sp_gather(ctx, tp, s.h2.clone())?;
         let dy_all = sp_gather(ctx, tp, dy.clone())?;
-        put(grads, name("mlp.down_proj.weight"), wgrad(&dy_all, &s.act)?)?;
+        put_wgrad(grads, name("mlp.down_proj.weight"), &dy_all, &s.act)?;
         let ds = dy_all.matmul(&dw(&self.down_proj))?;
         drop(dy_all);
         let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
@@ -569,15 +582,10 @@ impl Block {
         // The input gradient first; its reduction runs while gate's and up's weight gradients
         // are computed.
         let dh2 = matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?;
-        let mut mlp_w = Vec::new();
         let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
-            mlp_w.push((name("mlp.gate_proj.weight"), wgrad(&dg, h2)?));
-            mlp_w.push((name("mlp.up_proj.weight"), wgrad(&du, h2)?));
-            Ok(())
+            put_wgrad(grads, name("mlp.gate_proj.weight"), &dg, h2)?;
+            put_wgrad(grads, name("mlp.up_proj.weight"), &du, h2)
         })?;
-        for (n, g) in mlp_w {
-            put(grads, n, g)?;
-        }
         drop((dg, du));
         let (dx2n, dwpost) = rms_norm_backward(&s.x2, &dw(&self.post_norm), eps, &dh2)?;
         put(
@@ -590,7 +598,7 @@ impl Block {
         // Attention output projection.
         let a2 = s.attn.reshape((t, nh * d))?;
         let dx2_all = sp_gather(ctx, tp, dx2.clone())?;
-        put(grads, name("self_attn.o_proj.weight"), wgrad(&dx2_all, &a2)?)?;
+        put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
         if self.o_bias.is_some() {
             put(grads, name("self_attn.o_proj.bias"), sp_partial(ctx, tp, bgrad(&dx2)?)?)?;
         }
@@ -635,25 +643,21 @@ impl Block {
         // gradients are computed.
         let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
         let dh1 = matmul_acc(dh1, &dv, &dw(&self.v_proj))?;
-        let mut qkv_w = Vec::new();
         let dh1 = sp_reduce_while(ctx, tp, dh1, &mut || {
-            qkv_w.push((name("self_attn.q_proj.weight"), wgrad(&dq, h1)?));
-            qkv_w.push((name("self_attn.k_proj.weight"), wgrad(&dk, h1)?));
-            qkv_w.push((name("self_attn.v_proj.weight"), wgrad(&dv, h1)?));
+            put_wgrad(grads, name("self_attn.q_proj.weight"), &dq, h1)?;
+            put_wgrad(grads, name("self_attn.k_proj.weight"), &dk, h1)?;
+            put_wgrad(grads, name("self_attn.v_proj.weight"), &dv, h1)?;
             for (b, g, n) in [
                 (&self.q_bias, &dq, "q"),
                 (&self.k_bias, &dk, "k"),
                 (&self.v_bias, &dv, "v"),
             ] {
                 if b.is_some() {
-                    qkv_w.push((name(&format!("self_attn.{n}_proj.bias")), bgrad(g)?));
+                    put(grads, name(&format!("self_attn.{n}_proj.bias")), bgrad(g)?)?;
                 }
             }
             Ok(())
         })?;
-        for (n, g) in qkv_w {
-            put(grads, n, g)?;
-        }
         let (dxn, dwin) = rms_norm_backward(&s.x, &dw(&self.input_norm), eps, &dh1)?;
         put(grads, name("input_layernorm.weight"), sp_partial(ctx, tp, dwin)?)?;
         Ok((dx2 + dxn)?)

@@ -20,7 +20,7 @@
 //! - candle's autograd over the same layer survives only as `crate::reference`, the test
 //!   reference (`set_explicit_backward(false)`).
 use crate::batch::PackedBatch;
-use crate::block::{Attention, Block, BlockCtx, Keep, Kept, KeptAttention, Saved};
+use crate::block::{put, Attention, Block, BlockCtx, Keep, Kept, KeptAttention, Saved};
 use crate::checkpoint;
 use crate::config::Qwen3Config;
 use crate::context_parallel::CpShard;
@@ -766,6 +766,7 @@ impl Qwen3 {
             Head::Lm(Box::new(loss_fn)),
             &SingleRank::default(),
             None,
+            BTreeMap::new(),
         )
     }
 
@@ -778,7 +779,7 @@ impl Qwen3 {
         loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
         tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp, None)
+        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp, None, BTreeMap::new())
     }
 
     /// [`Self::forward_backward_tp`] under context parallelism: `shard` is this CP rank's share of
@@ -800,6 +801,7 @@ impl Qwen3 {
             Head::Lm(Box::new(loss_fn)),
             tp,
             Some((shard, cp)),
+            BTreeMap::new(),
         )
     }
 
@@ -820,7 +822,67 @@ impl Qwen3 {
             Head::Hidden(Box::new(head)),
             tp,
             Some((shard, cp)),
+            BTreeMap::new(),
         )
+    }
+
+    /// Gradient accumulation: [`Self::forward_backward_tp`] (or, with `cp`, `_cp`) whose gradients
+    /// are added to `sums`, the running sums of the earlier micro-batches of the step (by HF
+    /// name, f32; empty for the first), which come back as `Gradients::params`. Each weight
+    /// GEMM of the backward accumulates into its sum in place (Megatron's gradient-accumulation
+    /// fusion) instead of writing a fresh gradient that is added after: no add pass, no second
+    /// f32 copy of the gradients. The same values as summing `forward_backward_tp`'s results.
+    /// Under context parallelism pass this rank's `shard` and the `cp` group: the shard's own
+    /// batch is the one run (`batch` is then not read).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_into(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
+        tp: &dyn Collectives,
+        cp: Option<&dyn Collectives>,
+        shard: Option<&CpShard>,
+        sums: BTreeMap<String, Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        self.fb_into(batch, recompute, Head::Lm(Box::new(loss_fn)), tp, cp, shard, sums)
+    }
+
+    /// [`Self::forward_backward_into`] with a head of the caller's (see
+    /// [`Self::forward_backward_with_head`]); the head's own gradients are not in `sums`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_with_head_into(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        head: impl FnOnce(&Tensor) -> Result<Tensor>,
+        tp: &dyn Collectives,
+        cp: Option<&dyn Collectives>,
+        shard: Option<&CpShard>,
+        sums: BTreeMap<String, Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        self.fb_into(batch, recompute, Head::Hidden(Box::new(head)), tp, cp, shard, sums)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fb_into(
+        &self,
+        batch: &PackedBatch,
+        recompute: Recompute,
+        head: Head<'_>,
+        tp: &dyn Collectives,
+        cp: Option<&dyn Collectives>,
+        shard: Option<&CpShard>,
+        sums: BTreeMap<String, Tensor>,
+    ) -> Result<(f64, Gradients)> {
+        match (shard, cp) {
+            (None, _) => self.forward_backward_impl(batch, recompute, head, tp, None, sums),
+            (Some(sh), Some(cp)) => {
+                self.check_cp(sh, cp)?;
+                self.forward_backward_impl(&sh.batch, recompute, head, tp, Some((sh, cp)), sums)
+            }
+            (Some(_), None) => bail!("a context-parallel shard needs its CP group"),
+        }
     }
 
     fn check_cp(&self, shard: &CpShard, cp: &dyn Collectives) -> Result<()> {
@@ -851,6 +913,7 @@ impl Qwen3 {
             Head::Hidden(Box::new(head)),
             &SingleRank::default(),
             None,
+            BTreeMap::new(),
         )
     }
 
@@ -864,7 +927,14 @@ impl Qwen3 {
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
         tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), tp, None)
+        self.forward_backward_impl(
+            batch,
+            recompute,
+            Head::Hidden(Box::new(head)),
+            tp,
+            None,
+            BTreeMap::new(),
+        )
     }
 
     fn forward_backward_impl(
@@ -874,6 +944,7 @@ impl Qwen3 {
         head: Head<'_>,
         tp: &dyn Collectives,
         cp: Option<(&CpShard, &dyn Collectives)>,
+        sums: BTreeMap<String, Tensor>,
     ) -> Result<(f64, Gradients)> {
         self.check_batch(batch)?;
         self.check_tp(tp)?;
@@ -885,7 +956,13 @@ impl Qwen3 {
             if tp.size() > 1 {
                 bail!("the autograd reference has no tensor parallelism");
             }
-            return crate::reference::forward_backward(self, batch, recompute, head);
+            let (loss, mut grads) = crate::reference::forward_backward(self, batch, recompute, head)?;
+            let mut params = sums;
+            for (name, g) in std::mem::take(&mut grads.params) {
+                put(&mut params, name, g)?;
+            }
+            grads.params = params;
+            return Ok((loss, grads));
         }
         let plan = recompute.plan(self.blocks.len())?;
         let attention = match cp {
@@ -920,8 +997,9 @@ impl Qwen3 {
             x = y;
         }
 
-        // Head: final norm + the caller's loss.
-        let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
+        // Head: final norm + the caller's loss. Every gradient is added to `sums` (the earlier
+        // micro-batches'; the weight GEMMs accumulate into them in place).
+        let mut params = sums;
         let (loss_value, mut g, head_grads, tied_head_grad) = match head {
             Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params, tp)?,
             // Under SP a custom head (the critic's value head, replicated over TP) sees every
@@ -980,7 +1058,7 @@ impl Qwen3 {
                 tied_head_grad.as_ref(),
             )?,
         };
-        params.insert("model.embed_tokens.weight".to_string(), ge);
+        put(&mut params, "model.embed_tokens.weight".to_string(), ge)?;
         Ok((
             loss_value,
             Gradients {
@@ -1045,7 +1123,7 @@ impl Qwen3 {
                 Some(g) => g,
                 None => v.as_tensor().zeros_like()?,
             };
-            params.insert(name.to_string(), g);
+            put(params, name.to_string(), g)?;
         }
         Ok(())
     }
@@ -1169,10 +1247,10 @@ impl Qwen3 {
         } else {
             dnorm
         };
-        params.insert("model.norm.weight".to_string(), dnorm);
+        put(params, "model.norm.weight".to_string(), dnorm)?;
         let tied = match &self.lm_head {
             Some(_) => {
-                params.insert("lm_head.weight".to_string(), dwlm);
+                put(params, "lm_head.weight".to_string(), dwlm)?;
                 None
             }
             None => Some(dwlm),

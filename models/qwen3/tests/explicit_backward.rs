@@ -149,3 +149,58 @@ fn every_recompute_layout_gives_the_gradients_of_keeping_everything() {
         assert!(e.contains(says), "{bad}: {e}");
     }
 }
+
+/// Gradient accumulation through the backward (`forward_backward_into`, the trainer's optimizer
+/// step): three micro-batches whose gradients are added to the running sums by the backward
+/// itself give, per parameter, the sum of the three `forward_backward` results; tied and untied,
+/// with biases, with and without recompute, in f32 (the sums' dtype) from bf16-free f32 models.
+/// The first micro-batch starts from empty sums and so returns exactly `forward_backward`'s.
+#[test]
+fn gradients_accumulated_in_the_backward_equal_the_sum_of_the_micro_batches() {
+    let mbs = [
+        PackedBatch::from_sequences(&[vec![3u32, 7, 9, 11, 4, 5, 6], vec![8, 2, 30]]).unwrap(),
+        PackedBatch::from_sequences(&[vec![12u32, 13, 14, 15, 16]]).unwrap(),
+        PackedBatch::from_sequences(&[vec![1u32, 2, 3], vec![4, 5], vec![6, 7, 8, 9]]).unwrap(),
+    ];
+    let loss = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> {
+        Ok(((o.logprobs.sum_all()? * -0.5)? + (o.entropy.sum_all()? * 0.1)?)?)
+    };
+    let single = vime_dist::SingleRank::default();
+    for (tied, bias, rec) in [
+        (true, false, Recompute::None),
+        (false, true, Recompute::None),
+        (true, true, Recompute::Full),
+    ] {
+        let m = model(&tiny3(tied, bias), DType::F32, 5);
+        let mut want: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut sums = BTreeMap::new();
+        for (k, b) in mbs.iter().enumerate() {
+            let (l1, g) = m.forward_backward(b, rec, loss).unwrap();
+            for (n, t) in g.params {
+                let t = match want.remove(&n) {
+                    Some(s) => (s + t).unwrap(),
+                    None => t,
+                };
+                want.insert(n, t);
+            }
+            let (l2, g) = m
+                .forward_backward_into(b, rec, loss, &single, None, None, sums)
+                .unwrap();
+            assert_eq!(l1, l2, "micro-batch {k}: the loss");
+            sums = g.params;
+            assert_eq!(
+                sums.len(),
+                want.len(),
+                "micro-batch {k}: the parameters with a gradient"
+            );
+            for (n, w) in &want {
+                let e = rel_err(&sums[n], w).unwrap();
+                let tol = if k == 0 { 0.0 } else { 1e-6 };
+                assert!(
+                    e <= tol,
+                    "tied {tied} bias {bias} {rec:?} micro-batch {k}: {n} off by {e}"
+                );
+            }
+        }
+    }
+}

@@ -150,6 +150,29 @@ impl GradAccumulator {
         Ok(())
     }
 
+    /// Gradient accumulation in the backward itself: the running sums, moved out to be passed to
+    /// `Qwen3::forward_backward_into` (empty before the first micro-batch); give its result back
+    /// with [`Self::put_sums`].
+    pub fn take_sums(&mut self) -> BTreeMap<String, Tensor> {
+        std::mem::take(&mut self.sums)
+    }
+
+    /// The running sums after one more micro-batch (what `forward_backward_into` returned for
+    /// [`Self::take_sums`]'s map), stored as f32 (the first micro-batch's may have come in bf16).
+    pub fn put_sums(&mut self, sums: BTreeMap<String, Tensor>) -> Result<()> {
+        if !self.sums.is_empty() {
+            bail!("put_sums: the accumulator still holds sums (take_sums was not called)");
+        }
+        for (name, g) in sums {
+            let g = g
+                .to_dtype(DType::F32)
+                .with_context(|| format!("accumulating the gradient of {name}"))?;
+            self.sums.insert(name, g);
+        }
+        self.micro_batches += 1;
+        Ok(())
+    }
+
     /// Multiplies every buffer by `factor` (e.g. `1 / micro_batches` to average).
     pub fn scale(&mut self, factor: f64) -> Result<()> {
         for (name, sum) in self.sums.iter_mut() {

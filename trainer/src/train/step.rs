@@ -270,6 +270,7 @@ fn optimizer_step(
         Option<&CpShard>,
         &LossTokens,
         f64,
+        BTreeMap<String, Tensor>,
     ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
     device: &Device,
 ) -> Result<StepReport> {
@@ -298,8 +299,10 @@ fn optimizer_step(
         }
         let shard = cfg.cp_shard(&mb.batch)?;
         let lt = LossTokens::new(&mb, shard.as_ref(), device)?;
-        let (grads, metrics) = mb_fn(&mb, shard.as_ref(), &lt, norm)?;
-        acc.add(&grads)?;
+        // The running gradient sums go into the backward and come back with this micro-batch's
+        // added (by the weight GEMMs themselves, see `Qwen3::forward_backward_into`).
+        let (sums, metrics) = mb_fn(&mb, shard.as_ref(), &lt, norm, acc.take_sums())?;
+        acc.put_sums(sums)?;
         accumulate(&mut report.metrics, &metrics, 1.0);
         tokens += mb.sample_tokens();
         micro_batches += 1;
@@ -464,7 +467,7 @@ pub fn policy_step(
         cfg,
         opt,
         sched,
-        |mb, shard, lt, norm| {
+        |mb, shard, lt, norm, sums| {
             let adv = lt.host(mb, data.advantages, &device)?;
             let old = lt.host(mb, data.old_log_probs, &device)?;
             let reference = data.ref_log_probs.map(|r| lt.host(mb, r, &device)).transpose()?;
@@ -489,10 +492,8 @@ pub fn policy_step(
                 accumulate(&mut metrics, &out.metrics, 1.0 / norm);
                 Ok((out.loss / norm)?)
             };
-            let (_, grads) = match shard {
-                Some(sh) => model.forward_backward_cp(sh, cfg.recompute, loss_fn, cfg.tp, cfg.cp)?,
-                None => model.forward_backward_tp(&mb.batch, cfg.recompute, loss_fn, cfg.tp)?,
-            };
+            let (_, grads) =
+                model.forward_backward_into(&mb.batch, cfg.recompute, loss_fn, cfg.tp, Some(cfg.cp), shard, sums)?;
             Ok((grads.params, metrics))
         },
         &device,
@@ -517,7 +518,7 @@ pub fn sft_step(
         cfg,
         opt,
         sched,
-        |mb, shard, lt, norm| {
+        |mb, shard, lt, norm, sums| {
             let mut metrics = BTreeMap::new();
             let loss_fn = |o: &TokenOutputs| {
                 let logp = lt.gather(&o.logprobs)?;
@@ -529,10 +530,8 @@ pub fn sft_step(
                 metrics.insert("entropy_loss".to_string(), sum(&reducer.reduce(&entropy)?)? / norm);
                 Ok((loss / norm)?)
             };
-            let (_, grads) = match shard {
-                Some(sh) => model.forward_backward_cp(sh, cfg.recompute, loss_fn, cfg.tp, cfg.cp)?,
-                None => model.forward_backward_tp(&mb.batch, cfg.recompute, loss_fn, cfg.tp)?,
-            };
+            let (_, grads) =
+                model.forward_backward_into(&mb.batch, cfg.recompute, loss_fn, cfg.tp, Some(cfg.cp), shard, sums)?;
             Ok((grads.params, metrics))
         },
         &device,
@@ -560,7 +559,7 @@ pub fn critic_step(
         cfg,
         opt,
         sched,
-        |mb, shard, lt, norm| {
+        |mb, shard, lt, norm, sums| {
             let old = lt.host(mb, old_values, &device)?;
             let ret = lt.host(mb, returns, &device)?;
             let mut metrics = BTreeMap::new();
@@ -579,10 +578,8 @@ pub fn critic_step(
                 accumulate(&mut metrics, &out.metrics, 1.0 / norm);
                 Ok((out.loss / norm)?)
             };
-            let (_, grads) = match shard {
-                Some(sh) => critic.forward_backward_cp(sh, cfg.recompute, loss_fn, cfg.tp, cfg.cp)?,
-                None => critic.forward_backward_tp(&mb.batch, cfg.recompute, loss_fn, cfg.tp)?,
-            };
+            let (_, grads) =
+                critic.forward_backward_into(&mb.batch, cfg.recompute, loss_fn, cfg.tp, Some(cfg.cp), shard, sums)?;
             Ok((grads.params, metrics))
         },
         &device,
