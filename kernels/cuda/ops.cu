@@ -15,6 +15,8 @@ typedef __nv_bfloat16 bf16;
 
 #define FULL_MASK 0xffffffffu
 
+__device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -71,7 +73,7 @@ extern "C" __global__ void vime_rmsnorm_fwd(const bf16* __restrict__ x, const bf
 }
 
 // dx = rstd * (g*w - xhat * mean(g*w*xhat)), xhat = x * rstd; block b writes its partial
-// dw[c] = sum over its rows of g*xhat to dw_part[b * d + c] (f32), summed by vime_colsum_bf16.
+// dw[c] = sum over its rows of g*xhat to dw_part[b * d + c] (f32), summed by vime_colsum2_bf16.
 extern "C" __global__ void vime_rmsnorm_bwd(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                             const bf16* __restrict__ g, bf16* __restrict__ dx,
                                             float* __restrict__ dw_part, int rows, int d, float eps) {
@@ -205,15 +207,194 @@ extern "C" __global__ void vime_rmsnorm_bwd_warp(const bf16* __restrict__ x, con
     }
 }
 
-// out[c] = bf16(sum_b part[b * d + c]) for c < d; one thread per column, blocks in a fixed order
-// (deterministic).
-extern "C" __global__ void vime_colsum_bf16(const float* __restrict__ part, bf16* __restrict__ out,
-                                            int nparts, int d) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d) return;
+// ------------------------------------------------------------------------------------------------
+// RMSNorm, 16-byte accesses (d % 8 == 0, every row pointer 16-byte aligned): each thread holds up
+// to RMSV_MAXV chunks of 8 columns (chunk c = tid + i * blockDim) in registers. The math and its
+// order per element are the wide kernels' above (the sum of squares is reduced in a different
+// order, so the last bit of rstd may differ from them).
+//   fwd: with r != null, s = bf16(x + r) is written to s_out and normalised (the residual add
+//        fused into the norm that follows it: x2 = x + o, h2 = rms(x2)); else s = x.
+//   bwd: with res != null, dx = bf16(res + bf16(norm'(..))) (the residual's gradient added in the
+//        same pass: the add's value exactly, each term rounded to bf16 first).
+// ------------------------------------------------------------------------------------------------
+#define RMSV_MAXV 4
+
+__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+    const bf16* h = reinterpret_cast<const bf16*>(&u);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = __bfloat162float(h[k]);
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    uint4 u;
+    bf16* h = reinterpret_cast<bf16*>(&u);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) h[k] = __float2bfloat16(f[k]);
+    return u;
+}
+
+extern "C" __global__ void vime_rmsnorm_fwd_v8(const bf16* __restrict__ x, const bf16* __restrict__ r,
+                                               const bf16* __restrict__ w, bf16* __restrict__ s_out,
+                                               bf16* __restrict__ y, int rows, int d, float eps) {
+    __shared__ float scratch[33];
+    const int nv = d >> 3;
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const size_t off = (size_t)row * d;
+        const uint4* xr = reinterpret_cast<const uint4*>(x + off);
+        const uint4* rr = reinterpret_cast<const uint4*>(r + off);
+        uint4* sr = reinterpret_cast<uint4*>(s_out + off);
+        float v[RMSV_MAXV][8];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < nv) {
+                unpack8(xr[c], v[i]);
+                if (r) {
+                    float b[8];
+                    unpack8(rr[c], b);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) v[i][k] = __bfloat162float(__float2bfloat16(v[i][k] + b[k]));
+                    sr[c] = pack8(v[i]);
+                }
+#pragma unroll
+                for (int k = 0; k < 8; ++k) ss += v[i][k] * v[i][k];
+            }
+        }
+        ss = block_sum(ss, scratch);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        uint4* yr = reinterpret_cast<uint4*>(y + off);
+        const uint4* wr = reinterpret_cast<const uint4*>(w);
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < nv) {
+                float wv[8], o[8];
+                unpack8(wr[c], wv);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) o[k] = v[i][k] * rstd * wv[k];
+                yr[c] = pack8(o);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                               const bf16* __restrict__ g, const bf16* __restrict__ res,
+                                               bf16* __restrict__ dx, float* __restrict__ dw_part, int rows,
+                                               int d, float eps) {
+    __shared__ float scratch[33];
+    const int nv = d >> 3;
+    float dwv[RMSV_MAXV][8], wv[RMSV_MAXV][8];
+    const uint4* wr = reinterpret_cast<const uint4*>(w);
+#pragma unroll
+    for (int i = 0; i < RMSV_MAXV; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dwv[i][k] = 0.f;
+        if (c < nv)
+            unpack8(wr[c], wv[i]);
+        else
+#pragma unroll
+            for (int k = 0; k < 8; ++k) wv[i][k] = 0.f;
+    }
+    for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+        const size_t off = (size_t)row * d;
+        const uint4* xr = reinterpret_cast<const uint4*>(x + off);
+        const uint4* gr = reinterpret_cast<const uint4*>(g + off);
+        float xv[RMSV_MAXV][8], gv[RMSV_MAXV][8];
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < nv) {
+                unpack8(xr[c], xv[i]);
+                unpack8(gr[c], gv[i]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) xv[i][k] = gv[i][k] = 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; ++k) ss += xv[i][k] * xv[i][k];
+        }
+        ss = block_sum(ss, scratch);
+        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const float xhat = xv[i][k] * rstd;
+                dwv[i][k] += gv[i][k] * xhat;
+                dot += gv[i][k] * wv[i][k] * xhat;
+            }
+        dot = block_sum(dot, scratch);
+        const float mean = dot / (float)d;
+        uint4* dxr = reinterpret_cast<uint4*>(dx + off);
+        const uint4* rr = reinterpret_cast<const uint4*>(res + off);
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < nv) {
+                float o[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) o[k] = rstd * (gv[i][k] * wv[i][k] - xv[i][k] * rstd * mean);
+                if (res) {
+                    float b[8];
+                    unpack8(rr[c], b);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) o[k] = __bfloat162float(__float2bfloat16(o[k])) + b[k];
+                }
+                dxr[c] = pack8(o);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RMSV_MAXV; ++i) {
+        const int c = threadIdx.x + i * blockDim.x;
+        if (c < nv)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) dw_part[(size_t)blockIdx.x * d + 8 * c + k] = dwv[i][k];
+    }
+}
+
+// out[c] = bf16(sum_b part[b * d + c]), a block of 32 x 32 threads per 32 columns: thread (cx, ry)
+// sums the parts ry, ry + 32, ... of column c in order, then thread ry = 0 adds the 32 sums in ry
+// order. The order depends only on nparts, so the result is deterministic.
+extern "C" __global__ void vime_colsum2_bf16(const float* __restrict__ part, bf16* __restrict__ out, int nparts,
+                                             int d) {
+    __shared__ float acc[32][33];
+    const int cx = threadIdx.x, ry = threadIdx.y;
+    const int c = blockIdx.x * 32 + cx;
     float s = 0.f;
-    for (int b = 0; b < nparts; ++b) s += part[(size_t)b * d + c];
-    out[c] = __float2bfloat16(s);
+    if (c < d)
+        for (int b = ry; b < nparts; b += 32) s += part[(size_t)b * d + c];
+    acc[ry][cx] = s;
+    __syncthreads();
+    if (ry == 0 && c < d) {
+        float t = 0.f;
+        for (int k = 0; k < 32; ++k) t += acc[k][cx];
+        out[c] = __float2bfloat16(t);
+    }
+}
+
+// y = bf16(a + b), bf16 (the sum in f32, rounded once: candle's bf16 add on the CPU). 16-byte
+// accesses when every pointer is aligned and n % 8 == 0.
+extern "C" __global__ void vime_add_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b,
+                                         bf16* __restrict__ y, size_t n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x, tid = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n % 8 == 0 && aligned16(a) && aligned16(b) && aligned16(y)) {
+        for (size_t i = tid; i < n / 8; i += stride) {
+            float fa[8], fb[8];
+            unpack8(reinterpret_cast<const uint4*>(a)[i], fa);
+            unpack8(reinterpret_cast<const uint4*>(b)[i], fb);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) fa[k] += fb[k];
+            reinterpret_cast<uint4*>(y)[i] = pack8(fa);
+        }
+        return;
+    }
+    for (size_t i = tid; i < n; i += stride) y[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -272,7 +453,6 @@ __device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-
 
 // 8 bf16 per 16-byte access when every pointer is 16-byte aligned and n % 8 == 0 (the usual case:
 // whole tensors); element by element otherwise. The math is the same either way.
-__device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15) == 0; }
 
 __device__ __forceinline__ float swiglu_f(float g, float u) { return g * sigmoidf_(g) * u; }
 

@@ -256,6 +256,11 @@ pub(crate) fn rms_norm_fwd(
             let blocks = rows.div_ceil(RMSW_WARPS).min(132 * 16) as u32;
             let c = cfg(blocks, 32 * RMSW_WARPS as u32);
             launch!(dev, f, c, [&xp, &wp, &yp, &rows_i, &d_i, &eps_f]);
+        } else if let Some(threads) = rmsv_threads(d, &[xp, wp, yp]) {
+            let f = ops_fn(dev, "vime_rmsnorm_fwd_v8")?;
+            let null = 0u64;
+            let c = cfg(rows.min(132 * 16) as u32, threads);
+            launch!(dev, f, c, [&xp, &null, &wp, &null, &yp, &rows_i, &d_i, &eps_f]);
         } else {
             let f = ops_fn(dev, "vime_rmsnorm_fwd")?;
             let c = cfg(rows.min(132 * 16) as u32, rms_threads(d)?);
@@ -263,6 +268,178 @@ pub(crate) fn rms_norm_fwd(
         }
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lx.shape().clone()))
+}
+
+/// Chunks of 8 columns a thread of the 16-byte RMSNorm kernels holds at most (`RMSV_MAXV`).
+const RMSV_MAXV: usize = 4;
+
+/// Threads per block of the 16-byte RMSNorm kernels (`vime_rmsnorm_*_v8`) for rows of `d`, or
+/// `None` where they do not apply: narrow rows (the warp kernels), `d % 8 != 0`, rows too wide,
+/// or a pointer that is not 16-byte aligned.
+fn rmsv_threads(d: usize, ptrs: &[u64]) -> Option<u32> {
+    let nv = d / 8;
+    if d <= RMSW_MAX_D || !d.is_multiple_of(8) || nv > 1024 * RMSV_MAXV || ptrs.iter().any(|p| p % 16 != 0) {
+        return None;
+    }
+    let threads = nv.div_ceil(nv.div_ceil(1024)).div_ceil(32) * 32;
+    Some(threads.min(1024) as u32)
+}
+
+/// `s = x + r` and `y = rms_norm(s) * w` in one pass (bf16, contiguous, rows of `d = w.len()`):
+/// the residual add fused into the norm that reads its result. Returns `(s, y)`, the same values
+/// as the add then the norm.
+pub(crate) fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    check_bf16("add_rms_norm", &[x.dtype(), r.dtype(), w.dtype()])?;
+    let d = w.elem_count();
+    if x.dims() != r.dims() || x.dims().last() != Some(&d) {
+        bail!(
+            "add_rms_norm: x {:?}, r {:?} and weight {:?} do not match",
+            x.dims(),
+            r.dims(),
+            w.dims()
+        );
+    }
+    let dev = match x.device() {
+        candle_core::Device::Cuda(dv) => dv.clone(),
+        _ => bail!("add_rms_norm: tensors must be on a CUDA device"),
+    };
+    let n = x.elem_count();
+    let rows = n.checked_div(d).unwrap_or(0);
+    let (so, yo) = unsafe { (dev.alloc::<bf16>(n.max(1))?, dev.alloc::<bf16>(n.max(1))?) };
+    if rows > 0 {
+        let (xp, rp, wp) = (
+            tensor_addr::<bf16>(x, "add_rms_norm x")?,
+            tensor_addr::<bf16>(r, "add_rms_norm r")?,
+            tensor_addr::<bf16>(w, "add_rms_norm weight")?,
+        );
+        let (sp, yp) = (slice_addr(&so, &dev), slice_addr(&yo, &dev));
+        let Some(threads) = rmsv_threads(d, &[xp, rp, wp, sp, yp]) else {
+            bail!("add_rms_norm: rows of {d} need the 16-byte kernel (d % 8 == 0, d > {RMSW_MAX_D})");
+        };
+        let (rows_i, d_i, eps_f) = (
+            i32_of("add_rms_norm", "rows", rows)?,
+            i32_of("add_rms_norm", "d", d)?,
+            eps as f32,
+        );
+        let f = ops_fn(&dev, "vime_rmsnorm_fwd_v8")?;
+        launch!(
+            dev,
+            f,
+            cfg(rows.min(132 * 16) as u32, threads),
+            [&xp, &rp, &wp, &sp, &yp, &rows_i, &d_i, &eps_f]
+        );
+    }
+    Ok((
+        device_tensor(so, &dev, x.shape().clone()),
+        device_tensor(yo, &dev, x.shape().clone()),
+    ))
+}
+
+/// Whether [`add_rms_norm`] and [`rms_norm_bwd_res`] take rows of `d` (else the caller composes).
+pub(crate) fn fused_residual_norm(d: usize) -> bool {
+    rmsv_threads(d, &[]).is_some()
+}
+
+/// The RMSNorm backward with the residual's gradient added in the same pass (bf16, contiguous):
+/// `(res + dx, dw)`, the values of `rms_norm_backward` followed by the add.
+pub(crate) fn rms_norm_bwd_res(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
+    check_bf16("rms_norm backward", &[x.dtype(), w.dtype(), g.dtype(), res.dtype()])?;
+    let d = w.elem_count();
+    if x.dims() != g.dims() || x.dims() != res.dims() || x.dims().last() != Some(&d) {
+        bail!(
+            "rms_norm backward: x {:?}, dy {:?}, residual {:?} and weight {:?} do not match",
+            x.dims(),
+            g.dims(),
+            res.dims(),
+            w.dims()
+        );
+    }
+    let dev = match x.device() {
+        candle_core::Device::Cuda(dv) => dv.clone(),
+        _ => bail!("rms_norm backward: tensors must be on a CUDA device"),
+    };
+    let n = x.elem_count();
+    let rows = n.checked_div(d).unwrap_or(0);
+    let dx = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
+    let dw = dev.alloc_zeros::<bf16>(d.max(1))?;
+    if rows > 0 {
+        let (xp, wp, gp, rp) = (
+            tensor_addr::<bf16>(x, "rms_norm backward x")?,
+            tensor_addr::<bf16>(w, "rms_norm backward weight")?,
+            tensor_addr::<bf16>(g, "rms_norm backward dy")?,
+            tensor_addr::<bf16>(res, "rms_norm backward residual")?,
+        );
+        let (dxp, dwp) = (slice_addr(&dx, &dev), slice_addr(&dw, &dev));
+        let Some(threads) = rmsv_threads(d, &[xp, wp, gp, rp, dxp]) else {
+            bail!("rms_norm backward: rows of {d} need the 16-byte kernel (d % 8 == 0, d > {RMSW_MAX_D})");
+        };
+        rms_norm_bwd_v8(&dev, [xp, wp, gp, rp, dxp, dwp], rows, d, eps, threads)?;
+    }
+    Ok((device_tensor(dx, &dev, x.shape().clone()), device_tensor(dw, &dev, d)))
+}
+
+/// Blocks of the wide RMSNorm backward: each writes a `[d]` f32 partial of dw.
+const RMS_BWD_BLOCKS: usize = 132 * 8;
+
+/// Launches `vime_rmsnorm_bwd_v8` and the dw column sum. `p = [x, w, g, res (or 0), dx, dw]`.
+fn rms_norm_bwd_v8(dev: &CudaDevice, p: [u64; 6], rows: usize, d: usize, eps: f64, threads: u32) -> Result<()> {
+    let blocks = rows.min(RMS_BWD_BLOCKS);
+    let part = unsafe { dev.alloc::<f32>(blocks * d) }?;
+    let pp = slice_addr(&part, dev);
+    let (rows_i, d_i, eps_f) = (
+        i32_of("rms_norm", "rows", rows)?,
+        i32_of("rms_norm", "d", d)?,
+        eps as f32,
+    );
+    let [xp, wp, gp, rp, dxp, dwp] = p;
+    let f = ops_fn(dev, "vime_rmsnorm_bwd_v8")?;
+    launch!(
+        dev,
+        f,
+        cfg(blocks as u32, threads),
+        [&xp, &wp, &gp, &rp, &dxp, &pp, &rows_i, &d_i, &eps_f]
+    );
+    colsum(dev, pp, dwp, blocks, d)
+}
+
+/// `out[c] = bf16(sum_b part[b * d + c])` over `nparts` f32 partial rows, in a fixed order.
+fn colsum(dev: &CudaDevice, pp: u64, outp: u64, nparts: usize, d: usize) -> Result<()> {
+    let (np_i, d_i) = (i32_of("colsum", "parts", nparts)?, i32_of("colsum", "d", d)?);
+    let f = ops_fn(dev, "vime_colsum2_bf16")?;
+    let c = LaunchConfig {
+        grid_dim: (d.div_ceil(32) as u32, 1, 1),
+        block_dim: (32, 32, 1),
+        shared_mem_bytes: 0,
+    };
+    launch!(dev, f, c, [&pp, &outp, &np_i, &d_i]);
+    Ok(())
+}
+
+/// `a + b`, bf16, same shape, contiguous: one 16-byte-access pass (candle's add reached about a
+/// third of the H200's bandwidth on the residual stream).
+pub(crate) fn add_bf16(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    check_bf16("add", &[a.dtype(), b.dtype()])?;
+    if a.dims() != b.dims() {
+        bail!("add: {:?} and {:?} differ in shape", a.dims(), b.dims());
+    }
+    let dev = match a.device() {
+        candle_core::Device::Cuda(dv) => dv.clone(),
+        _ => bail!("add: tensors must be on a CUDA device"),
+    };
+    let n = a.elem_count();
+    let out = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
+    if n > 0 {
+        let (ap, bp, yp) = (
+            tensor_addr::<bf16>(a, "add a")?,
+            tensor_addr::<bf16>(b, "add b")?,
+            slice_addr(&out, &dev),
+        );
+        let n64 = n as u64;
+        let threads = elementwise_threads(n, &[ap, bp, yp]);
+        let f = ops_fn(&dev, "vime_add_bf16")?;
+        launch!(dev, f, cfg(grid_for(threads, 256), 256), [&ap, &bp, &yp, &n64]);
+    }
+    Ok(device_tensor(out, &dev, a.shape().clone()))
 }
 
 /// Packed `[dx (flat) ++ dw]`, bf16.
@@ -280,21 +457,30 @@ pub(crate) fn rms_norm_bwd(
     let d = *lx.dims().last().unwrap_or(&1);
     let n = lx.shape().elem_count();
     let rows = n.checked_div(d).unwrap_or(0);
-    let out = dev.alloc_zeros::<bf16>(n + d)?;
+    // Every element is written: dx by the kernel, dw by the column sum.
+    let out = if rows > 0 {
+        unsafe { dev.alloc::<bf16>(n + d) }?
+    } else {
+        dev.alloc_zeros::<bf16>(n + d)?
+    };
     if rows > 0 {
         let narrow = d <= RMSW_MAX_D;
-        let blocks = if narrow {
-            rows.div_ceil(RMSW_WARPS).min(132 * 4)
-        } else {
-            rows.min(132 * 4)
-        };
-        let part = unsafe { dev.alloc::<f32>(blocks * d) }?;
         let (xp, wp, gp) = (
             addr::<bf16>(x, lx, "rms_norm backward")?,
             addr::<bf16>(w, lw, "rms_norm backward")?,
             addr::<bf16>(g, lg, "rms_norm backward")?,
         );
         let dxp = slice_addr(&out, dev);
+        if let Some(threads) = rmsv_threads(d, &[xp, wp, gp, dxp]) {
+            rms_norm_bwd_v8(dev, [xp, wp, gp, 0, dxp, dxp + (n * 2) as u64], rows, d, eps, threads)?;
+            return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(n + d)));
+        }
+        let blocks = if narrow {
+            rows.div_ceil(RMSW_WARPS).min(132 * 4)
+        } else {
+            rows.min(132 * 4)
+        };
+        let part = unsafe { dev.alloc::<f32>(blocks * d) }?;
         let dwp = dxp + (n * 2) as u64;
         let pp = slice_addr(&part, dev);
         let (rows_i, d_i, eps_f) = (
@@ -310,9 +496,7 @@ pub(crate) fn rms_norm_bwd(
         let f = ops_fn(dev, name)?;
         let c = cfg(blocks as u32, threads);
         launch!(dev, f, c, [&xp, &wp, &gp, &dxp, &pp, &rows_i, &d_i, &eps_f]);
-        let nparts = blocks as i32;
-        let f = ops_fn(dev, "vime_colsum_bf16")?;
-        launch!(dev, f, cfg(grid_for(d, 256), 256), [&pp, &dwp, &nparts, &d_i]);
+        colsum(dev, pp, dwp, blocks, d)?;
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(n + d)))
 }

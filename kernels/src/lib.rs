@@ -56,7 +56,7 @@ pub use lm_head::{
     logprobs_entropy_with, LmHeadSaved, IGNORE_TARGET,
 };
 pub use real::Real;
-pub use rmsnorm::{rms_norm, rms_norm_backward};
+pub use rmsnorm::{add_rms_norm, rms_norm, rms_norm_backward, rms_norm_backward_add};
 pub use rope::{rope, rope_backward};
 pub use swiglu::{swiglu, swiglu_backward, swiglu_packed};
 pub use vjp::vjp_seed;
@@ -86,6 +86,16 @@ pub fn fused_cuda(device: &candle_core::Device, dtype: candle_core::DType) -> bo
         let _ = (device, dtype);
         false
     }
+}
+
+/// `a + b` (same shape and dtype). Fused CUDA (bf16): one 16-byte-access pass; elsewhere candle's
+/// add. The value is the same: the f32 sum of the two bf16 values, rounded once.
+pub fn add(a: &candle_core::Tensor, b: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
+    #[cfg(feature = "cuda")]
+    if fused_cuda(a.device(), a.dtype()) && b.dtype() == a.dtype() && a.dims() == b.dims() {
+        return cuda::add_bf16(&a.contiguous()?, &b.contiguous()?);
+    }
+    a + b
 }
 
 /// A linear layer's weight gradient `dy^T x` (`dy: [T, out]`, `x: [T, in]`), `[out, in]` in at

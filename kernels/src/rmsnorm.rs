@@ -52,6 +52,62 @@ pub fn rms_norm_backward(x: &Tensor, weight: &Tensor, eps: f64, dy: &Tensor) -> 
     Ok((dx.expect("rms_norm dx"), dw.expect("rms_norm dweight")))
 }
 
+/// `s = x + r` and `rms_norm(s, weight, eps)`, returned as `(s, y)`: the residual add and the norm
+/// that reads it (the block's `x2 = x + o`, `h2 = rms(x2)`). Fused CUDA (bf16, rows of a multiple
+/// of 8 wider than the warp kernels' 256): one pass that reads x and r and writes s and y, the
+/// same values as the add then the norm; elsewhere exactly those two ops.
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, weight: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if crate::fused_cuda(x.device(), x.dtype())
+        && r.dtype() == x.dtype()
+        && weight.dtype() == x.dtype()
+        && crate::cuda::fused_residual_norm(weight.elem_count())
+    {
+        return crate::cuda::add_rms_norm(&x.contiguous()?, &r.contiguous()?, &weight.contiguous()?, eps);
+    }
+    let s = crate::add(x, r)?;
+    let y = rms_norm(&s, weight, eps)?;
+    Ok((s, y))
+}
+
+/// [`rms_norm_backward`] with the gradient `residual` that reaches `x` by the skip connection
+/// added: `(residual + dx, dw)` (the block's `dx2 = dy + rms'(x2; dh2)`). Fused CUDA (as
+/// [`add_rms_norm`]): the add happens in the backward's own pass, the values of the two ops;
+/// elsewhere exactly those two ops.
+pub fn rms_norm_backward_add(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    dy: &Tensor,
+    residual: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    if residual.dims() != x.dims() {
+        bail!(
+            "rms_norm_backward_add: the residual gradient {:?} and x {:?} differ in shape",
+            residual.dims(),
+            x.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if crate::fused_cuda(x.device(), x.dtype())
+        && [weight.dtype(), dy.dtype(), residual.dtype()]
+            .iter()
+            .all(|&t| t == x.dtype())
+        && dy.dims() == x.dims()
+        && crate::cuda::fused_residual_norm(weight.elem_count())
+    {
+        return crate::cuda::rms_norm_bwd_res(
+            &x.contiguous()?,
+            &weight.contiguous()?,
+            eps,
+            &dy.contiguous()?,
+            &residual.contiguous()?,
+        );
+    }
+    let (dx, dw) = rms_norm_backward(x, weight, eps, dy)?;
+    Ok((crate::add(residual, &dx)?, dw))
+}
+
 #[derive(Debug, Clone, Copy)]
 struct RmsNorm {
     eps: f64,

@@ -20,6 +20,7 @@ Classes (first match wins, on the kernel's function name):
   optimizer   vime_adamw*, vime_sumsq*, vime_sum_partials (gradient norm)
   vime_cast   vime_f32_to_bf16
   engine      vime_rows_write* (KV cache append), vime_sample* (device sampler)
+  residual_add  vime_add_bf16 (the residual adds not fused into a norm)
   other       everything else: candle's elementwise, copies, fills, casts, reductions, index ops
 """
 import csv
@@ -35,6 +36,7 @@ CLASSES = [
     ("optimizer", re.compile(r"vime_adamw|vime_sumsq|vime_sum_partials")),
     ("vime_cast", re.compile(r"vime_f32_to_bf16")),
     ("engine", re.compile(r"vime_rows_write|vime_sample")),
+    ("residual_add", re.compile(r"vime_add_bf16")),
 ]
 
 

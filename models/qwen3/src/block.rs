@@ -52,8 +52,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use vime_dist::{Collectives, ReduceOp};
 use vime_kernels::{
-    matmul_acc, rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward, varlen_attention,
-    varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
+    matmul_acc, rms_norm, rms_norm_backward, rms_norm_backward_add, rope, rope_backward, swiglu, swiglu_backward,
+    varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
 };
 
 /// What a block needs besides its weights: the dims ONE rank sees (local heads and intermediate
@@ -422,13 +422,15 @@ impl Block {
                 Some(bias) => o.broadcast_add(&dw(bias))?,
                 None => o,
             };
-            let x2 = (x.narrow(0, a, n)? + o)?;
-            let h2 = rms_norm(&x2, &dw(&self.post_norm), eps)?;
+            let (x2, h2) = vime_kernels::add_rms_norm(&x.narrow(0, a, n)?, &o, &dw(&self.post_norm), eps)?;
             let act = swiglu(
                 &linear(&ctx.kernels, &h2, &self.gate_proj, None)?,
                 &linear(&ctx.kernels, &h2, &self.up_proj, None)?,
             )?;
-            outs.push((&x2 + linear(&ctx.kernels, &act, &self.down_proj, None)?)?);
+            outs.push(vime_kernels::add(
+                &x2,
+                &linear(&ctx.kernels, &act, &self.down_proj, None)?,
+            )?);
             a = b;
         }
         Ok(Tensor::cat(&outs, 0)?)
@@ -503,8 +505,8 @@ impl Block {
             Some(b) => o.broadcast_add(&dw(b))?,
             None => o,
         };
-        let x2 = (x + o)?;
-        let h2_local = rms_norm(&x2, &dw(&self.post_norm), eps)?;
+        // The residual add and the post-attention norm in one pass (fused on CUDA).
+        let (x2, h2_local) = vime_kernels::add_rms_norm(x, &o, &dw(&self.post_norm), eps)?;
         let h2 = sp_gather(ctx, tp, h2_local.clone())?;
         if let Some((_, wgu)) = fused {
             if keep != Keep::Nothing {
@@ -514,7 +516,10 @@ impl Block {
                 );
             }
             let act = vime_kernels::swiglu_packed(&h2.matmul(&wgu.t()?)?)?;
-            let y = (&x2 + sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?)?;
+            let y = vime_kernels::add(
+                &x2,
+                &sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?,
+            )?;
             return Ok((y, Kept::Nothing));
         }
         // Column-parallel gate/up (this rank's share of the intermediate size).
@@ -522,7 +527,10 @@ impl Block {
         let up = linear(&ctx.kernels, &h2, &self.up_proj, None)?;
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
-        let y = (&x2 + sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?)?;
+        let y = vime_kernels::add(
+            &x2,
+            &sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?,
+        )?;
         let attn_saved = match (keep, attn_saved) {
             (Keep::Nothing, _) => return Ok((y, Kept::Nothing)),
             (Keep::Attention, Some(saved)) => return Ok((y, Kept::Attention(KeptAttention { attn, saved }))),
@@ -587,13 +595,13 @@ impl Block {
             put_wgrad(grads, name("mlp.up_proj.weight"), &du, h2)
         })?;
         drop((dg, du));
-        let (dx2n, dwpost) = rms_norm_backward(&s.x2, &dw(&self.post_norm), eps, &dh2)?;
+        // dx2 = dy + rms'(x2; dh2): the skip connection's gradient added in the norm's pass.
+        let (dx2, dwpost) = rms_norm_backward_add(&s.x2, &dw(&self.post_norm), eps, &dh2, dy)?;
         put(
             grads,
             name("post_attention_layernorm.weight"),
             sp_partial(ctx, tp, dwpost)?,
         )?;
-        let dx2 = (dy + dx2n)?;
 
         // Attention output projection.
         let a2 = s.attn.reshape((t, nh * d))?;
@@ -658,9 +666,9 @@ impl Block {
             }
             Ok(())
         })?;
-        let (dxn, dwin) = rms_norm_backward(&s.x, &dw(&self.input_norm), eps, &dh1)?;
+        let (dx, dwin) = rms_norm_backward_add(&s.x, &dw(&self.input_norm), eps, &dh1, &dx2)?;
         put(grads, name("input_layernorm.weight"), sp_partial(ctx, tp, dwin)?)?;
-        Ok((dx2 + dxn)?)
+        Ok(dx)
     }
 
     /// Every parameter of the block, in a fixed order.
