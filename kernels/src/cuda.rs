@@ -1433,17 +1433,27 @@ pub fn adamw_update(
         }
         None => 0u64,
     };
-    let (gp, name) = match grad.dtype() {
-        DType::F32 => (tensor_addr::<f32>(grad, "adamw grad")?, "vime_adamw_f32g"),
-        DType::BF16 => (tensor_addr::<bf16>(grad, "adamw grad")?, "vime_adamw_bf16g"),
+    let (gp, name, g_align) = match grad.dtype() {
+        DType::F32 => (tensor_addr::<f32>(grad, "adamw grad")?, "vime_adamw_f32g", 16),
+        DType::BF16 => (tensor_addr::<bf16>(grad, "adamw grad")?, "vime_adamw_bf16g", 8),
         other => bail!("adamw: gradient dtype {other:?} (f32 or bf16)"),
     };
+    // Four elements a thread with 16-byte accesses where every buffer allows it (the same bits).
+    let wide = n.is_multiple_of(4)
+        && [pp, mp, vp].iter().all(|p| p.is_multiple_of(16))
+        && gp.is_multiple_of(g_align)
+        && model_p.is_multiple_of(8);
+    let (name, items) = if wide {
+        (format!("{name}_v4"), n / 4)
+    } else {
+        (name.to_string(), n)
+    };
     let n64 = n as u64;
-    let f = ops_fn(&dev, name)?;
+    let f = ops_fn(&dev, &name)?;
     launch!(
         dev,
         f,
-        cfg(grid_for(n, 256).min(132 * 32), 256),
+        cfg(grid_for(items, 256).min(132 * 32), 256),
         [&pp, &gp, &mp, &vp, &model_p, &n64, &c]
     );
     Ok(())

@@ -151,7 +151,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     )?;
 
     let scale = 1.0 / (128f64).sqrt();
-    let mut checks = 13;
+    let mut checks = 15;
     for (backend, tag) in attention_backends() {
         check_attention(
             tag,
@@ -205,6 +205,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
+    check_residual_norms(&gpu, &mut rng, &mut failures)?;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -370,8 +371,16 @@ fn adamw_cpu(
     Ok((p, m, v))
 }
 
+/// AdamW on CUDA against the CPU path, bit for bit: a length the 16-byte kernel takes (n % 4 == 0)
+/// and one only the element kernel does.
 fn check_adamw(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    let n = 1 << 20;
+    for n in [1usize << 20, (1 << 20) + 3] {
+        check_adamw_n(gpu, rng, failures, n)?;
+    }
+    Ok(())
+}
+
+fn check_adamw_n(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>, n: usize) -> Result<()> {
     let f32t = |rng: &mut Rng, s: f64| rng.randn(&[n], s, DType::F32, &Device::Cpu);
     let (mut p, mut m) = (f32t(rng, 1.0)?, f32t(rng, 1e-3)?);
     let mut v = f32t(rng, 1e-3)?.abs()?;
@@ -610,6 +619,53 @@ fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
     );
     if !ok {
         failures.push(format!("sum_squares: rel err {worst:e}"));
+    }
+    Ok(())
+}
+
+/// The residual adds (`add`, fused into the norm forward as `add_rms_norm`, into the norm backward
+/// as `rms_norm_backward_add`) on CUDA against the CPU's unfused ops (candle's add, the CPU
+/// RMSNorm kernels) at Qwen3-4B's hidden size and Qwen3-0.6B's (1024), every output.
+fn check_residual_norms(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let bf = DType::BF16;
+    for (t, d) in [(1040usize, 2560usize), (777, 1024)] {
+        let x = rng.randn(&[t, d], 1.0, bf, &Device::Cpu)?;
+        let r = rng.randn(&[t, d], 0.5, bf, &Device::Cpu)?;
+        let g = rng.randn(&[t, d], 1.0, bf, &Device::Cpu)?;
+        let w = (rng.randn(&[d], 0.1, DType::F32, &Device::Cpu)? + 1.0)?.to_dtype(bf)?;
+        let on = |a: &Tensor| a.to_device(gpu);
+        let back = |a: &Tensor| a.to_device(&Device::Cpu);
+        let sum = (&x + &r)?;
+        let want_y = vime_kernels::rms_norm(&sum, &w, 1e-6)?;
+        let (s_gpu, y_gpu) = vime_kernels::add_rms_norm(&on(&x)?, &on(&r)?, &on(&w)?, 1e-6)?;
+        let (wdx, wdw) = vime_kernels::rms_norm_backward(&x, &w, 1e-6, &g)?;
+        let want_dx = (&r + &wdx)?;
+        let (dx_gpu, dw_gpu) = vime_kernels::rms_norm_backward_add(&on(&x)?, &on(&w)?, 1e-6, &on(&g)?, &on(&r)?)?;
+        let add_gpu = vime_kernels::add(&on(&x)?, &on(&r)?)?;
+        let errs = [
+            ("add", rel_err(&back(&add_gpu)?, &sum)?),
+            ("add_rms_norm s", rel_err(&back(&s_gpu)?, &sum)?),
+            ("add_rms_norm y", rel_err(&back(&y_gpu)?, &want_y)?),
+            ("rms_norm_backward_add dx", rel_err(&back(&dx_gpu)?, &want_dx)?),
+            ("rms_norm_backward_add dw", rel_err(&back(&dw_gpu)?, &wdw)?),
+        ];
+        // The add's result is exact up to the one rounding both sides do: bit-equal.
+        let exact = errs[0].1 == 0.0 && errs[1].1 == 0.0;
+        let worst = errs.iter().map(|e| e.1).fold(0.0, f64::max);
+        let ok = exact && worst <= TOL;
+        println!(
+            "{:<26} {:<52} {}  {}",
+            "residual adds + norms",
+            format!("[{t}, {d}]"),
+            errs.iter()
+                .map(|(n, e)| format!("{n} {e:.1e}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            failures.push(format!("residual adds + norms [{t}, {d}]: {errs:?}"));
+        }
     }
     Ok(())
 }
