@@ -211,13 +211,14 @@ extern "C" __global__ void vime_rmsnorm_bwd_warp(const bf16* __restrict__ x, con
 // RMSNorm, 16-byte accesses (d % 8 == 0, every row pointer 16-byte aligned): each thread holds up
 // to RMSV_MAXV chunks of 8 columns (chunk c = tid + i * blockDim) in registers. The math and its
 // order per element are the wide kernels' above (the sum of squares is reduced in a different
-// order, so the last bit of rstd may differ from them).
+// order, so the last bit of rstd may differ from them). RMSV_MAXV = 1 (rows up to 8192 wide, every
+// Qwen3 hidden size): at 4 the backward needed 188 registers, one 320-thread block per SM.
 //   fwd: with r != null, s = bf16(x + r) is written to s_out and normalised (the residual add
 //        fused into the norm that follows it: x2 = x + o, h2 = rms(x2)); else s = x.
 //   bwd: with res != null, dx = bf16(res + bf16(norm'(..))) (the residual's gradient added in the
 //        same pass: the add's value exactly, each term rounded to bf16 first).
 // ------------------------------------------------------------------------------------------------
-#define RMSV_MAXV 4
+#define RMSV_MAXV 1
 
 __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
     const bf16* h = reinterpret_cast<const bf16*>(&u);

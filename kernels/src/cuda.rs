@@ -271,7 +271,7 @@ pub(crate) fn rms_norm_fwd(
 }
 
 /// Chunks of 8 columns a thread of the 16-byte RMSNorm kernels holds at most (`RMSV_MAXV`).
-const RMSV_MAXV: usize = 4;
+const RMSV_MAXV: usize = 1;
 
 /// Threads per block of the 16-byte RMSNorm kernels (`vime_rmsnorm_*_v8`) for rows of `d`, or
 /// `None` where they do not apply: narrow rows (the warp kernels), `d % 8 != 0`, rows too wide,
