@@ -361,7 +361,12 @@ pub(crate) fn rms_norm_bwd_res(x: &Tensor, w: &Tensor, eps: f64, g: &Tensor, res
     let n = x.elem_count();
     let rows = n.checked_div(d).unwrap_or(0);
     let dx = unsafe { dev.alloc::<bf16>(n.max(1)) }?;
-    let dw = dev.alloc_zeros::<bf16>(d.max(1))?;
+    // The column sum writes every dw element; only an empty input needs the zeros.
+    let dw = if rows > 0 {
+        unsafe { dev.alloc::<bf16>(d) }?
+    } else {
+        dev.alloc_zeros::<bf16>(d.max(1))?
+    };
     if rows > 0 {
         let (xp, wp, gp, rp) = (
             tensor_addr::<bf16>(x, "rms_norm backward x")?,
@@ -1570,67 +1575,58 @@ pub fn keep_pool_memory(device: &candle_core::Device) -> Result<()> {
 /// weight gradient straight out of one cuBLAS GEMM with f32 output, in the weight's `[out, in]`
 /// layout, so the f32 gradient buffer needs no separate cast pass.
 pub(crate) fn weight_grad_f32(dy: &Tensor, x: &Tensor) -> Result<Tensor> {
+    weight_grad_gemm(dy, x, None)
+}
+
+/// `acc += dy^T x` in place: `acc: [N, D]` f32 (owned by the caller, contiguous), bf16
+/// `dy: [T, N]`, `x: [T, D]` (contiguous): [`weight_grad_f32`]'s GEMM with beta 1.
+pub(crate) fn weight_grad_acc_inplace(acc: &Tensor, dy: &Tensor, x: &Tensor) -> Result<()> {
+    weight_grad_gemm(dy, x, Some(acc)).map(|_| ())
+}
+
+/// The GEMM of [`weight_grad_f32`] (`acc: None`, into a new buffer, beta 0) and
+/// [`weight_grad_acc_inplace`] (into `acc`, beta 1); returns the tensor written.
+fn weight_grad_gemm(dy: &Tensor, x: &Tensor, acc: Option<&Tensor>) -> Result<Tensor> {
     let (t, n) = dy.dims2()?;
     let (t2, d) = x.dims2()?;
     if t != t2 {
         bail!("weight_grad: dy {:?} and x {:?} differ in rows", dy.dims(), x.dims());
     }
     check_bf16("weight_grad", &[dy.dtype(), x.dtype()])?;
+    if let Some(acc) = acc {
+        if acc.dims() != [n, d] || acc.dtype() != DType::F32 {
+            bail!(
+                "weight_grad: the running sum is {:?} {:?}, dy {:?}^T . x {:?} needs f32 [{n}, {d}]",
+                acc.dtype(),
+                acc.dims(),
+                dy.dims(),
+                x.dims()
+            );
+        }
+    }
     let dev = match dy.device() {
         candle_core::Device::Cuda(d) => d.clone(),
         _ => bail!("weight_grad: tensors must be on a CUDA device"),
     };
     let run = t > 0 && n > 0 && d > 0;
-    // The GEMM (beta 0, so C is never read) writes every element; only an empty product needs
-    // the zero fill (a memset of every weight's f32 gradient per micro-batch otherwise).
-    let out = if run {
-        unsafe { dev.alloc::<f32>(n * d) }?
-    } else {
-        dev.alloc_zeros::<f32>((n * d).max(1))?
+    let out = match acc {
+        Some(acc) => acc.clone(),
+        // The GEMM (beta 0, so C is never read) writes every element; only an empty product
+        // needs the zero fill (a memset of every weight's f32 gradient per micro-batch otherwise).
+        None if run => device_tensor(unsafe { dev.alloc::<f32>(n * d) }?, &dev, (n, d)),
+        None => device_tensor(dev.alloc_zeros::<f32>((n * d).max(1))?, &dev, (n, d)),
     };
     if run {
         let (yp, xp, cp) = (
             tensor_addr::<bf16>(dy, "weight_grad dy")?,
             tensor_addr::<bf16>(x, "weight_grad x")?,
-            slice_addr(&out, &dev),
+            tensor_addr::<f32>(&out, "weight_grad out")?,
         );
+        let beta = if acc.is_some() { 1.0 } else { 0.0 };
         // Column-major view: C^T [d, n] = X^T-as-stored [d, t] . (dY-as-stored [n, t])^T.
-        unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, 0.0, cp, true, d)? };
+        unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, beta, cp, true, d)? };
     }
-    Ok(device_tensor(out, &dev, (n, d)))
-}
-
-/// `acc += dy^T x` in place: `acc: [N, D]` f32 (owned by the caller, contiguous), bf16
-/// `dy: [T, N]`, `x: [T, D]` (contiguous): [`weight_grad_f32`]'s GEMM with beta 1.
-pub(crate) fn weight_grad_acc_inplace(acc: &Tensor, dy: &Tensor, x: &Tensor) -> Result<()> {
-    let (t, n) = dy.dims2()?;
-    let (t2, d) = x.dims2()?;
-    if t != t2 || acc.dims() != [n, d] {
-        bail!(
-            "weight_grad_acc: acc {:?} != dy {:?}^T . x {:?}",
-            acc.dims(),
-            dy.dims(),
-            x.dims()
-        );
-    }
-    check_bf16("weight_grad_acc", &[dy.dtype(), x.dtype()])?;
-    if acc.dtype() != candle_core::DType::F32 {
-        bail!("weight_grad_acc: the running sum must be f32, not {:?}", acc.dtype());
-    }
-    let dev = match dy.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("weight_grad_acc: tensors must be on a CUDA device"),
-    };
-    if t == 0 || n == 0 || d == 0 {
-        return Ok(());
-    }
-    let (yp, xp, cp) = (
-        tensor_addr::<bf16>(dy, "weight_grad_acc dy")?,
-        tensor_addr::<bf16>(x, "weight_grad_acc x")?,
-        tensor_addr::<f32>(acc, "weight_grad_acc acc")?,
-    );
-    // As weight_grad_f32, with C read back (beta 1).
-    unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, 1.0, cp, true, d) }
+    Ok(out)
 }
 
 /// `acc += a . w` in place, bf16: `acc: [T, D]` (owned by the caller, not shared), `a: [T, I]`,

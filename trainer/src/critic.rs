@@ -372,11 +372,7 @@ impl Critic {
                 Some(g) => g,
                 None => var.as_tensor().zeros_like()?,
             };
-            let g = match grads.params.remove(name) {
-                Some(sum) => (&sum + g.to_dtype(sum.dtype())?)?,
-                None => g,
-            };
-            grads.params.insert(name.to_string(), g);
+            vime_qwen3::model::add_gradient(&mut grads.params, name.to_string(), g)?;
         }
         Ok((loss, grads))
     }

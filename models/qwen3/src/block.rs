@@ -342,7 +342,7 @@ fn sp_partial(ctx: &BlockCtx, tp: &dyn Collectives, t: Tensor) -> Result<Tensor>
 
 /// Adds `g` to the gradient of `name` (the first contribution is stored as is; a later one is
 /// added in the dtype of the sum, e.g. an f32 running sum over micro-batches).
-pub(crate) fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
+pub fn put(grads: &mut BTreeMap<String, Tensor>, name: String, g: Tensor) -> Result<()> {
     let g = match grads.remove(&name) {
         Some(prev) => {
             let g = g.to_dtype(prev.dtype())?;

@@ -20,7 +20,9 @@
 //! - candle's autograd over the same layer survives only as `crate::reference`, the test
 //!   reference (`set_explicit_backward(false)`).
 use crate::batch::PackedBatch;
-use crate::block::{put, Attention, Block, BlockCtx, Keep, Kept, KeptAttention, Saved};
+/// Adds a gradient to a map of gradients (or running sums) by name, in the sum's dtype.
+pub use crate::block::put as add_gradient;
+use crate::block::{Attention, Block, BlockCtx, Keep, Kept, KeptAttention, Saved};
 use crate::checkpoint;
 use crate::config::Qwen3Config;
 use crate::context_parallel::CpShard;
@@ -959,7 +961,7 @@ impl Qwen3 {
             let (loss, mut grads) = crate::reference::forward_backward(self, batch, recompute, head)?;
             let mut params = sums;
             for (name, g) in std::mem::take(&mut grads.params) {
-                put(&mut params, name, g)?;
+                add_gradient(&mut params, name, g)?;
             }
             grads.params = params;
             return Ok((loss, grads));
@@ -1058,7 +1060,7 @@ impl Qwen3 {
                 tied_head_grad.as_ref(),
             )?,
         };
-        put(&mut params, "model.embed_tokens.weight".to_string(), ge)?;
+        add_gradient(&mut params, "model.embed_tokens.weight".to_string(), ge)?;
         Ok((
             loss_value,
             Gradients {
@@ -1123,7 +1125,7 @@ impl Qwen3 {
                 Some(g) => g,
                 None => v.as_tensor().zeros_like()?,
             };
-            put(params, name.to_string(), g)?;
+            add_gradient(params, name.to_string(), g)?;
         }
         Ok(())
     }
@@ -1247,10 +1249,10 @@ impl Qwen3 {
         } else {
             dnorm
         };
-        put(params, "model.norm.weight".to_string(), dnorm)?;
+        add_gradient(params, "model.norm.weight".to_string(), dnorm)?;
         let tied = match &self.lm_head {
             Some(_) => {
-                put(params, "lm_head.weight".to_string(), dwlm)?;
+                add_gradient(params, "lm_head.weight".to_string(), dwlm)?;
                 None
             }
             None => Some(dwlm),

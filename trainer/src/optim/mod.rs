@@ -4,7 +4,9 @@
 //! One optimizer step, as the RL loop runs it:
 //!
 //! ```text
-//! for mb in micro_batches { acc.add(&model.forward_backward(mb, ..)?.1.params)?; }
+//! for mb in micro_batches {                                    // sums added by the weight GEMMs
+//!     acc.put_sums(model.forward_backward_into(mb, .., acc.take_sums())?.1.params)?;
+//! }
 //! let grads = acc.take();                                       // f32 sums by HF name
 //! let grad_norm = global_grad_norm(&grads)?;                    // norm before clipping
 //! let lr = sched.lr_at(adamw.num_steps());
