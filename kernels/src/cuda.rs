@@ -29,6 +29,8 @@ use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor};
 use half::bf16;
 use std::sync::{Arc, Mutex, OnceLock};
 
+pub mod gemm_bench;
+
 const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
 const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));

@@ -8,6 +8,7 @@
 //! - [`score`]: the `vime-train logprobs` scoring command.
 pub mod batching;
 pub mod bench;
+pub mod bench_gemm;
 pub mod bench_sync;
 pub mod ckpt;
 pub mod critic;

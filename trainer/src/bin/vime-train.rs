@@ -59,6 +59,9 @@ enum Cmd {
     /// Times the streamed weight sync of a random-init Qwen3 release shape to a running engine and
     /// checks the engine's weights bit for bit afterwards (see vime_trainer::bench_sync).
     BenchSync(vime_trainer::bench_sync::BenchSyncArgs),
+    /// Times the training step's GEMMs at a release shape, as the block runs them and with each
+    /// cuBLASLt heuristic algorithm, plus fused q|k|v and gate|up (see vime_trainer::bench_gemm).
+    BenchGemm(vime_trainer::bench_gemm::BenchGemmArgs),
     /// Checks running rollout engines (vLLM or vime-serve, direct or through vllm-router) for what
     /// vime needs of them: generation with seeds and stop ids, pause modes, sleep and wake, control
     /// routes (see vime_rollout::check). Exit status 1 if any check fails.
@@ -237,6 +240,10 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Some(Cmd::BenchSync(args)) => {
             vime_trainer::bench_sync::run(&args)?;
+            Ok(0)
+        }
+        Some(Cmd::BenchGemm(args)) => {
+            vime_trainer::bench_gemm::run(&args)?;
             Ok(0)
         }
         Some(Cmd::CheckEngines(args)) => vime_rollout::check::run(&args),
