@@ -416,6 +416,33 @@ extern "C" __global__ void vime_embed_bwd(const bf16* __restrict__ g, const unsi
     }
 }
 
+// The embedding backward into a running f32 sum, in place: only the n rows that occur in the batch
+// (rows[u], its positions offs[u]..offs[u+1] of pos, increasing) are read and written; row
+// rows[u] of out becomes out[rows[u]] + its rows of g, summed in that order (as vime_embed_bwd with
+// the sum as its init).
+extern "C" __global__ void vime_embed_bwd_acc(const bf16* __restrict__ g, const unsigned int* __restrict__ rows,
+                                              const unsigned int* __restrict__ offs,
+                                              const unsigned int* __restrict__ pos, float* __restrict__ out,
+                                              int n, int d) {
+    for (int u = blockIdx.x; u < n; u += gridDim.x) {
+        const unsigned int a = offs[u], b = offs[u + 1];
+        float* o = out + (size_t)rows[u] * d;
+        for (int c = threadIdx.x; c < d; c += blockDim.x) {
+            float s = o[c];
+            for (unsigned int k = a; k < b; ++k) s += __bfloat162float(g[(size_t)pos[k] * d + c]);
+            o[c] = s;
+        }
+    }
+}
+
+// One RoPE rotation of the pair (x1, x2) by (c, s), rounded as written: products and sums by the
+// _rn intrinsics, which nvcc never contracts into an FMA. Every RoPE kernel uses it, so the fused
+// norm + rope kernels give the bits of the separate ones whatever the compiler contracts where.
+__device__ __forceinline__ void rope_rot(float x1, float x2, float c, float s, float* y1, float* y2) {
+    *y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    *y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
 // ------------------------------------------------------------------------------------------------
 // RoPE (rotate_half): x [T, H, D], one thread per (token, j < D/2) that rotates pair j of every
 // head of its token: the angle (pos * (1 / theta^(2j / D)), in f32 as the CPU kernel computes it)
@@ -440,8 +467,10 @@ extern "C" __global__ void vime_rope(const bf16* __restrict__ x, bf16* __restric
         bf16* yr = y + tok * h * d;
         for (int hh = 0; hh < h; ++hh, xr += d, yr += d) {
             const float x1 = __bfloat162float(xr[j]), x2 = __bfloat162float(xr[j + half]);
-            yr[j] = __float2bfloat16(x1 * c - x2 * sn);
-            yr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+            float y1, y2;
+            rope_rot(x1, x2, c, sn, &y1, &y2);
+            yr[j] = __float2bfloat16(y1);
+            yr[j + half] = __float2bfloat16(y2);
         }
     }
 }
@@ -999,9 +1028,68 @@ extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const b
             const float a = p * inv_freq;
             float sn, c;
             sincosf(a, &sn, &c);
-            const float x1 = nv[i], x2 = nv[i + 2];
-            yr[j] = __float2bfloat16(x1 * c - x2 * sn);
-            yr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+            float y1, y2;
+            rope_rot(nv[i], nv[i + 2], c, sn, &y1, &y2);
+            yr[j] = __float2bfloat16(y1);
+            yr[j + half] = __float2bfloat16(y2);
+        }
+    }
+}
+
+// vime_qk_norm_rope with one warp per token instead of per head row: each lane's two rotation
+// angles (pairs j = lane and lane + 32) and their sincos are computed once per token and used for
+// all hq + hk heads (the per-row kernel computes them for every head: 40 times over at Qwen3-4B,
+// which made it slower than the separate norm and rope kernels on a training batch). The same
+// operations per element, so the same bits as vime_qk_norm_rope and as the four separate kernels.
+extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                 const bf16* __restrict__ wq, const bf16* __restrict__ wk,
+                                                 const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
+                                                 bf16* __restrict__ ko, int t, int hq, int hk, float eps,
+                                                 float theta, long long q_stride, long long k_stride) {
+    const int d = 128, half = 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float wqv[4], wkv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        wqv[i] = __bfloat162float(wq[lane + 32 * i]);
+        wkv[i] = __bfloat162float(wk[lane + 32 * i]);
+    }
+    for (int tok = blockIdx.x * RMSW_WARPS + warp; tok < t; tok += gridDim.x * RMSW_WARPS) {
+        const float p = (float)pos[tok];
+        float sn[2], cs[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int j = lane + 32 * i;
+            const float inv_freq = 1.f / powf(theta, (float)(2 * j) / (float)d);
+            const float a = p * inv_freq;
+            sincosf(a, &sn[i], &cs[i]);
+        }
+        for (int hh = 0; hh < hq + hk; ++hh) {
+            const bool is_q = hh < hq;
+            const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
+                                  : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
+            bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
+            const float* wv = is_q ? wqv : wkv;
+            float xv[4];
+            float ss = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                xv[i] = __bfloat162float(xr[lane + 32 * i]);
+                ss += xv[i] * xv[i];
+            }
+            ss = warp_sum(ss);
+            const float rstd = 1.f / sqrtf(ss / (float)d + eps);
+            float nv[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) nv[i] = __bfloat162float(__float2bfloat16(xv[i] * rstd * wv[i]));
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int j = lane + 32 * i;
+                float y1, y2;
+                rope_rot(nv[i], nv[i + 2], cs[i], sn[i], &y1, &y2);
+                yr[j] = __float2bfloat16(y1);
+                yr[j + half] = __float2bfloat16(y2);
+            }
         }
     }
 }

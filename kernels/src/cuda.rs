@@ -907,45 +907,128 @@ pub(crate) fn lm_head_bwd(
     chunk_tokens: usize,
 ) -> Result<(CudaStorage, Shape)> {
     check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
-    if grad.dtype() != DType::F32 || fwd_out.dtype() != DType::F32 {
-        bail!("logprobs_entropy backward: the output gradient and saved output must be f32");
-    }
     let dev = &h.device;
     let (t, hid) = (lh.dims()[0], lh.dims()[1]);
     let v = lw.dims()[0];
-    if lg.dims() != [t, 3] || fwd_out.dims() != [t, 3] {
+    let out = dev.alloc_zeros::<bf16>(t * hid + v * hid)?;
+    if t > 0 {
+        let hp = addr::<bf16>(h, lh, "logprobs_entropy backward")?;
+        let wp = addr::<bf16>(w, lw, "logprobs_entropy backward")?;
+        let gp = addr::<f32>(grad, lg, "logprobs_entropy backward")?;
+        let dhidden = slice_addr(&out, dev);
+        let dw = DwOut::Bf16(dhidden + (t * hid * 2) as u64);
+        let dims = (t, hid, v, lg.dims());
+        lm_head_bwd_core(dev, hp, wp, gp, fwd_out, targets, chunk_tokens, dims, dhidden, dw)?;
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from(t * hid + v * hid),
+    ))
+}
+
+/// The LM head's backward with `d_lm_head` added into the running f32 sum `dw_sum: [V, H]`
+/// (contiguous, owned by the caller) by its GEMMs (beta 1): no bf16 rounding of the weight's
+/// gradient, no `[V, H]` buffer of its own. Returns `d_hidden` (bf16 `[T, H]`). `h: [T, H]`,
+/// `w: [V, H]` bf16 contiguous, `grad`/`fwd_out` as [`lm_head_bwd`]'s.
+pub(crate) fn lm_head_bwd_into(
+    h: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    fwd_out: &Tensor,
+    targets: &[u32],
+    chunk_tokens: usize,
+    dw_sum: &Tensor,
+) -> Result<Tensor> {
+    check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
+    let (t, hid) = h.dims2()?;
+    let v = w.dim(0)?;
+    if dw_sum.dims() != [v, hid] || dw_sum.dtype() != DType::F32 {
+        bail!(
+            "logprobs_entropy backward: the running sum is {:?} {:?}, the head [{v}, {hid}] needs f32",
+            dw_sum.dtype(),
+            dw_sum.dims()
+        );
+    }
+    let dev = match h.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("logprobs_entropy backward: tensors must be on a CUDA device"),
+    };
+    if t == 0 {
+        return Ok(device_tensor(dev.alloc_zeros::<bf16>(1)?, &dev, (0, hid)));
+    }
+    // Every element is written by the final cast.
+    let out = unsafe { dev.alloc::<bf16>(t * hid) }?;
+    {
+        let hp = tensor_addr::<bf16>(h, "logprobs_entropy backward hidden")?;
+        let wp = tensor_addr::<bf16>(w, "logprobs_entropy backward lm_head")?;
+        let gp = tensor_addr::<f32>(grad, "logprobs_entropy backward gradient")?;
+        let dw = DwOut::F32Sum(tensor_addr::<f32>(dw_sum, "logprobs_entropy backward sum")?);
+        let dims = (t, hid, v, grad.dims());
+        lm_head_bwd_core(
+            &dev,
+            hp,
+            wp,
+            gp,
+            fwd_out,
+            targets,
+            chunk_tokens,
+            dims,
+            slice_addr(&out, &dev),
+            dw,
+        )?;
+    }
+    Ok(device_tensor(out, &dev, (t, hid)))
+}
+
+/// Where the LM head's backward puts `d_lm_head`: bf16 at this address (written, in f32 first when
+/// the tokens take more than one chunk), or added into the f32 sum at this address.
+#[derive(Clone, Copy)]
+enum DwOut {
+    Bf16(u64),
+    F32Sum(u64),
+}
+
+/// The chunked GEMMs of the LM head's backward. `dims`: (T, H, V, the gradient's dims); `dhidden`
+/// receives `d_hidden` in bf16 (f32-accumulated over vocabulary chunks).
+#[allow(clippy::too_many_arguments)]
+fn lm_head_bwd_core(
+    dev: &CudaDevice,
+    hp: u64,
+    wp: u64,
+    gp: u64,
+    fwd_out: &Tensor,
+    targets: &[u32],
+    chunk_tokens: usize,
+    dims: (usize, usize, usize, &[usize]),
+    dhidden: u64,
+    dw: DwOut,
+) -> Result<()> {
+    let (t, hid, v, gdims) = dims;
+    if fwd_out.dtype() != DType::F32 {
+        bail!("logprobs_entropy backward: the output gradient and saved output must be f32");
+    }
+    if gdims != [t, 3] || fwd_out.dims() != [t, 3] {
         bail!(
             "logprobs_entropy backward: gradient {:?} / saved output {:?} are not [{t}, 3]",
-            lg.dims(),
+            gdims,
             fwd_out.dims()
         );
     }
-    let out = dev.alloc_zeros::<bf16>(t * hid + v * hid)?;
-    if t == 0 {
-        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from(v * hid)));
-    }
-    let hp = addr::<bf16>(h, lh, "logprobs_entropy backward")?;
-    let wp = addr::<bf16>(w, lw, "logprobs_entropy backward")?;
-    let gp = addr::<f32>(grad, lg, "logprobs_entropy backward")?;
     let fp = tensor_addr::<f32>(fwd_out, "logprobs_entropy backward")?;
     let tg = upload_u32(dev, targets)?;
     let tgp = slice_addr(&tg, dev);
     let dh_acc = dev.alloc_zeros::<f32>(t * hid)?;
     let dhp = slice_addr(&dh_acc, dev);
-    let dhidden = slice_addr(&out, dev);
-    let dwp = dhidden + (t * hid * 2) as u64;
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
     let logits = unsafe { dev.alloc::<f32>(rows_max * vc_max) }?;
     let lp = slice_addr(&logits, dev);
     let dz = unsafe { dev.alloc::<bf16>(rows_max * vc_max) }?;
     let dzp = slice_addr(&dz, dev);
-    // dW is accumulated over token chunks in f32 when there is more than one chunk.
-    let multi = rows_max < t;
-    let dw_acc = if multi {
-        Some(dev.alloc_zeros::<f32>(v * hid)?)
-    } else {
-        None
+    // Into bf16, dW is accumulated over token chunks in f32 when there is more than one chunk.
+    let dw_acc = match dw {
+        DwOut::Bf16(_) if rows_max < t => Some(dev.alloc_zeros::<f32>(v * hid)?),
+        _ => None,
     };
     let f_dz = ops_fn(dev, "vime_lmhead_dlogits")?;
     for row0 in (0..t).step_by(rows_max) {
@@ -964,6 +1047,13 @@ pub(crate) fn lm_head_bwd(
                 cfg(rows as u32, 256),
                 [&lp, &vc_i, &v0_i, &tgp, &row0_i, &fp, &gp, &dzp]
             );
+            // d_W_c^T [H, vc] (+)= hidden_rows^T [H, rows] . dz [rows, vc]: into the f32 sum
+            // (given, or this call's over its chunks) with beta 1, else into bf16 with beta 0.
+            let (dw_p, beta, f32_out) = match (dw, &dw_acc) {
+                (DwOut::F32Sum(p), _) => (p + (v0 * hid * 4) as u64, 1.0, true),
+                (DwOut::Bf16(_), Some(acc)) => (slice_addr(acc, dev) + (v0 * hid * 4) as u64, 1.0, true),
+                (DwOut::Bf16(p), None) => (p + (v0 * hid * 2) as u64, 0.0, false),
+            };
             unsafe {
                 // d_hidden^T [H, rows] += W_c^T [H, vc] . dz^T [vc, rows]
                 gemm(
@@ -982,56 +1072,21 @@ pub(crate) fn lm_head_bwd(
                     true,
                     hid,
                 )?;
-                // d_W_c^T [H, vc] (+)= hidden_rows^T [H, rows] . dz [rows, vc]
-                match &dw_acc {
-                    Some(acc) => gemm(
-                        dev,
-                        false,
-                        true,
-                        hid,
-                        vc,
-                        rows,
-                        hr,
-                        hid,
-                        dzp,
-                        vc,
-                        1.0,
-                        slice_addr(acc, dev) + (v0 * hid * 4) as u64,
-                        true,
-                        hid,
-                    )?,
-                    None => gemm(
-                        dev,
-                        false,
-                        true,
-                        hid,
-                        vc,
-                        rows,
-                        hr,
-                        hid,
-                        dzp,
-                        vc,
-                        0.0,
-                        dwp + (v0 * hid * 2) as u64,
-                        false,
-                        hid,
-                    )?,
-                }
+                gemm(
+                    dev, false, true, hid, vc, rows, hr, hid, dzp, vc, beta, dw_p, f32_out, hid,
+                )?;
             }
         }
     }
     let f = ops_fn(dev, "vime_f32_to_bf16")?;
     let n_h = (t * hid) as u64;
     launch!(dev, f, cfg(grid_for(t * hid, 256), 256), [&dhp, &dhidden, &n_h]);
-    if let Some(acc) = &dw_acc {
+    if let (Some(acc), DwOut::Bf16(dwp)) = (&dw_acc, dw) {
         let ap = slice_addr(acc, dev);
         let n_w = (v * hid) as u64;
         launch!(dev, f, cfg(grid_for(v * hid, 256), 256), [&ap, &dwp, &n_w]);
     }
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        Shape::from(t * hid + v * hid),
-    ))
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1519,6 +1574,62 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
     Ok(device_tensor(out, &dev, (vocab, d)))
 }
 
+/// See `crate::embedding::embedding_backward_into`: `acc [vocab, D] += scatter(g)` in place, f32
+/// `acc` (contiguous, owned by the caller), bf16 `g: [T, D]` (contiguous). Only the rows of the
+/// batch's ids are read and written (a few thousand of ~150k at Qwen3's vocabulary).
+pub(crate) fn embedding_backward_acc(ids: &[u32], g: &Tensor, acc: &Tensor) -> Result<()> {
+    let (t, d) = g.dims2()?;
+    let vocab = acc.dim(0)?;
+    let dev = match g.device() {
+        candle_core::Device::Cuda(dv) => dv.clone(),
+        _ => bail!("embedding_backward: tensors must be on a CUDA device"),
+    };
+    if t == 0 || d == 0 {
+        return Ok(());
+    }
+    // Counting sort by id, then the ids that occur (increasing) with their position ranges.
+    let mut count = vec![0u32; vocab + 1];
+    for &id in ids {
+        count[id as usize + 1] += 1;
+    }
+    for v in 0..vocab {
+        count[v + 1] += count[v];
+    }
+    let mut next = count.clone();
+    let mut pos = vec![0u32; t];
+    for (i, &id) in ids.iter().enumerate() {
+        pos[next[id as usize] as usize] = i as u32;
+        next[id as usize] += 1;
+    }
+    let (mut rows, mut offs) = (Vec::new(), vec![0u32]);
+    for v in 0..vocab {
+        if count[v + 1] > count[v] {
+            rows.push(v as u32);
+            offs.push(count[v + 1]);
+        }
+    }
+    let (rows_d, offs_d, pos_d) = (
+        upload_u32(&dev, &rows)?,
+        upload_u32(&dev, &offs)?,
+        upload_u32(&dev, &pos)?,
+    );
+    let gp = tensor_addr::<bf16>(g, "embedding_backward g")?;
+    let outp = tensor_addr::<f32>(acc, "embedding_backward sum")?;
+    let (rp, op, pp) = (
+        slice_addr(&rows_d, &dev),
+        slice_addr(&offs_d, &dev),
+        slice_addr(&pos_d, &dev),
+    );
+    let (n_i, d_i) = (
+        i32_of("embedding_backward", "rows", rows.len())?,
+        i32_of("embedding_backward", "width", d)?,
+    );
+    let f = ops_fn(&dev, "vime_embed_bwd_acc")?;
+    let blocks = rows.len().clamp(1, 132 * 16) as u32;
+    launch!(dev, f, cfg(blocks, 256), [&gp, &rp, &op, &pp, &outp, &n_i, &d_i]);
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Memory pool
 // ---------------------------------------------------------------------------------------------
@@ -1928,6 +2039,9 @@ pub fn decode_attention(
     Ok(device_tensor(out, &dev, (b, h, d)))
 }
 
+/// Tokens from which [`qk_norm_rope`] runs a warp per token rather than per head row.
+pub const QK_NORM_ROPE_TOKEN_WARPS: usize = 1024;
+
 /// [`crate::rope::qk_norm_rope`] on the device: contiguous bf16 `q: [t, hq, 128]`,
 /// `k: [t, hk, 128]`, norm weights `[128]`; one launch.
 #[allow(clippy::too_many_arguments)]
@@ -1974,8 +2088,14 @@ pub(crate) fn qk_norm_rope(
         let (qop, kop) = (slice_addr(&qo, &dev), slice_addr(&ko, &dev));
         let (t_i, hq_i, hk_i) = (i32_of("qk_norm_rope", "tokens", t)?, hq as i32, hk as i32);
         let (eps_f, theta_f) = (eps as f32, theta as f32);
-        let rows = t * (hq + hk);
-        let f = ops_fn(&dev, "vime_qk_norm_rope")?;
+        // Many tokens (a training or prefill batch): a warp a token, each angle's sincos once for
+        // all its heads; few (decoding): a warp a head row, for parallelism. The same bits.
+        let (name, rows) = if t >= QK_NORM_ROPE_TOKEN_WARPS {
+            ("vime_qk_norm_rope_tok", t)
+        } else {
+            ("vime_qk_norm_rope", t * (hq + hk))
+        };
+        let f = ops_fn(&dev, name)?;
         let grid = rows.div_ceil(RMSW_WARPS).clamp(1, 65_535) as u32;
         launch!(
             dev,

@@ -51,6 +51,45 @@ pub fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Option<&T
     out.to_device(&dev)
 }
 
+/// `sum + d_table` for a running gradient sum `sum: [vocab, D]` (f32, or f64 for f64 `g`): on CUDA
+/// (bf16 `g`, f32 `sum`) in place, reading and writing only the rows of the ids in `ids`
+/// (`sum` must not be shared: the returned tensor is `sum` itself); elsewhere [`embedding_backward`]
+/// with `sum` as its `init` (a new tensor). The same per-element order either way: the sum's value
+/// first, then the tokens in increasing position.
+pub fn embedding_backward_into(ids: &[u32], g: &Tensor, sum: Tensor) -> Result<Tensor> {
+    let (t, d) = g.dims2()?;
+    let vocab = sum.dim(0)?;
+    if sum.dims() != [vocab, d] {
+        bail!(
+            "embedding_backward: the running sum is {:?}, the gradient's rows are {d} wide",
+            sum.dims()
+        );
+    }
+    let want = if g.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    if sum.dtype() != want {
+        bail!(
+            "embedding_backward: the running sum is {:?}, expected {want:?}",
+            sum.dtype()
+        );
+    }
+    if ids.len() != t {
+        bail!("embedding_backward: {} ids for a gradient of {t} rows", ids.len());
+    }
+    if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        bail!("embedding_backward: id {id} at position {i} is outside the vocabulary ({vocab} rows)");
+    }
+    #[cfg(feature = "cuda")]
+    if crate::fused_cuda(g.device(), g.dtype()) && sum.is_contiguous() {
+        crate::cuda::embedding_backward_acc(ids, &g.contiguous()?, &sum)?;
+        return Ok(sum);
+    }
+    embedding_backward(ids, g, vocab, Some(&sum))
+}
+
 fn scatter<T>(ids: &[u32], g: &Tensor, vocab: usize, d: usize, init: Option<&Tensor>) -> Result<Tensor>
 where
     T: candle_core::WithDType + std::ops::AddAssign,

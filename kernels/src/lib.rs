@@ -50,10 +50,10 @@ pub use attention::{
     cudnn_graph_stats, varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved,
 };
 pub use config::{AttentionBackend, CudnnFailure, DecodeKernel, KernelConfig, CUDNN_BUILT};
-pub use embedding::embedding_backward;
+pub use embedding::{embedding_backward, embedding_backward_into};
 pub use lm_head::{
-    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_saved, logprobs_entropy_saved_with,
-    logprobs_entropy_with, LmHeadSaved, IGNORE_TARGET,
+    logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_backward_into, logprobs_entropy_saved,
+    logprobs_entropy_saved_with, logprobs_entropy_with, LmHeadSaved, IGNORE_TARGET,
 };
 pub use real::Real;
 pub use rmsnorm::{add_rms_norm, rms_norm, rms_norm_backward, rms_norm_backward_add};

@@ -215,6 +215,63 @@ pub fn logprobs_entropy_backward(
     Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")))
 }
 
+/// [`logprobs_entropy_backward`] with `d_lm_head` added to the running gradient sum `sum: [V, H]`
+/// (f32, or f64 for f64 inputs): `(d_hidden, sum + d_lm_head)`. On CUDA (bf16) the head's GEMMs add
+/// into `sum` in place (it must not be shared; the returned tensor is `sum` itself), so the
+/// weight's gradient is never rounded to bf16 and no `[V, H]` buffer of its own is allocated;
+/// elsewhere the gradient is computed as by [`logprobs_entropy_backward`] and added.
+pub fn logprobs_entropy_backward_into(
+    saved: &LmHeadSaved,
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    d_logprobs: &Tensor,
+    d_entropy: &Tensor,
+    sum: Tensor,
+) -> Result<(Tensor, Tensor)> {
+    if sum.dims() != lm_head.dims() {
+        bail!(
+            "logprobs_entropy_backward: the running sum is {:?}, the LM head {:?}",
+            sum.dims(),
+            lm_head.dims()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if let SavedLmHead::Kernel { op, out } = &saved.0 {
+        if out.device().is_cuda() && sum.dtype() == candle_core::DType::F32 && sum.is_contiguous() {
+            let t = out.dim(0)?;
+            if d_logprobs.dims() != [t] || d_entropy.dims() != [t] {
+                bail!(
+                    "logprobs_entropy_backward: gradients {:?} and {:?} for {t} tokens",
+                    d_logprobs.dims(),
+                    d_entropy.dims()
+                );
+            }
+            let dt = out.dtype();
+            let grad = Tensor::stack(
+                &[
+                    d_logprobs.to_dtype(dt)?,
+                    d_entropy.to_dtype(dt)?,
+                    Tensor::zeros(t, dt, out.device())?,
+                ],
+                1,
+            )?;
+            let dh = crate::cuda::lm_head_bwd_into(
+                &hidden.contiguous()?,
+                &lm_head.contiguous()?,
+                &grad,
+                out,
+                &op.targets,
+                op.chunk_tokens,
+                &sum,
+            )?;
+            return Ok((dh, sum));
+        }
+    }
+    let (dh, dw) = logprobs_entropy_backward(saved, hidden, lm_head, d_logprobs, d_entropy)?;
+    let total = (sum.clone() + dw.to_dtype(sum.dtype())?)?;
+    Ok((dh, total))
+}
+
 #[derive(Debug, Clone)]
 struct LmHead {
     targets: Arc<[u32]>,

@@ -204,6 +204,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
+    check_lm_head_into(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
 
@@ -707,6 +708,56 @@ fn check_weight_grad_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
     Ok(())
 }
 
+/// The LM head's backward into a running f32 sum (`logprobs_entropy_backward_into`, the GEMMs
+/// adding into the sum in place, beta 1) against the CPU kernel's backward on the same values in
+/// f32: in one token chunk and in several, over a vocabulary of three chunks (the last partial).
+fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (t, hid, vocab) = (200usize, 2560usize, 40_000usize);
+    let h = rng.randn(&[t, hid], 1.0, DType::BF16, &Device::Cpu)?;
+    let lm = rng.randn(&[vocab, hid], 0.02, DType::BF16, &Device::Cpu)?;
+    let targets: Arc<[u32]> = (0..t).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
+    let dlp = rng.randn(&[t], 1.0, DType::F32, &Device::Cpu)?;
+    let dent = rng.randn(&[t], 1.0, DType::F32, &Device::Cpu)?;
+    // Small next to dW, and compared as (sum after - sum before) against dW: a wrong dW cannot
+    // hide under the sum's own values.
+    let sum = rng.randn(&[vocab, hid], 1e-3, DType::F32, &Device::Cpu)?;
+    let (h32, lm32) = (h.to_dtype(DType::F32)?, lm.to_dtype(DType::F32)?);
+    let mut worst = 0f64;
+    let mut in_place = true;
+    for chunk in [64usize, 4096] {
+        let (_, _, saved) = vime_kernels::logprobs_entropy_saved(&h32, &lm32, &targets, chunk)?;
+        let (dh_want, dw_want) = vime_kernels::logprobs_entropy_backward(&saved, &h32, &lm32, &dlp, &dent)?;
+        let (hg, lmg) = (h.to_device(gpu)?, lm.to_device(gpu)?);
+        let (_, _, saved) = vime_kernels::logprobs_entropy_saved(&hg, &lmg, &targets, chunk)?;
+        let sum_g = sum.to_device(gpu)?;
+        let (dh, got) = vime_kernels::logprobs_entropy_backward_into(
+            &saved,
+            &hg,
+            &lmg,
+            &dlp.to_device(gpu)?,
+            &dent.to_device(gpu)?,
+            sum_g.clone(),
+        )?;
+        in_place &= max_abs_diff(&got, &sum_g)? == 0.0;
+        worst = worst
+            .max(rel_err(&(got.to_device(&Device::Cpu)? - &sum)?, &dw_want)?)
+            .max(rel_err(&dh.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, &dh_want)?);
+    }
+    let ok = worst <= TOL && in_place;
+    println!(
+        "{:<26} {:<52} rel err {worst:.1e} (dW sum and d_hidden, 1 and 4 chunks), in place {in_place}  {}",
+        "logprobs_entropy into sum",
+        format!("[{t}, {hid}] x [{vocab}, {hid}] bf16 + f32 sum"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok {
+        failures.push(format!(
+            "logprobs_entropy_backward_into: rel err {worst:e}, in place {in_place}"
+        ));
+    }
+    Ok(())
+}
+
 /// The embedding backward (f32 out, tied init, repeated ids) on CUDA against the CPU: the same
 /// f32 additions in the same order, so bit-exact.
 fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
@@ -740,9 +791,25 @@ fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Stri
             .to_scalar::<f32>()?;
         worst = worst.max(diff);
     }
+    // Into a running f32 sum, in place on CUDA (only the batch's rows are touched).
+    let sum = rng.randn(&[vocab, d], 1e-2, DType::F32, &Device::Cpu)?;
+    let want = vime_kernels::embedding_backward_into(&ids, &g, sum.clone())?;
+    let sum_g = sum.to_device(gpu)?;
+    let got = vime_kernels::embedding_backward_into(&ids, &g.to_device(gpu)?, sum_g.clone())?;
+    let in_place = got.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?
+        == sum_g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    if !in_place {
+        failures.push("embedding_backward_into: the sum was not updated in place".into());
+    }
+    let diff = (want - got.to_device(&Device::Cpu)?)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_scalar::<f32>()?;
+    worst = worst.max(diff);
     let ok = worst == 0.0;
     println!(
-        "{:<26} {:<52} max |cpu - cuda| {worst:e} (with and without init)  {}",
+        "{:<26} {:<52} max |cpu - cuda| {worst:e} (with and without init, into a sum)  {}",
         "embedding_backward",
         format!("[{t}, {d}] bf16 -> [{vocab}, {d}] f32"),
         if ok { "ok" } else { "FAIL" }
@@ -892,10 +959,42 @@ fn time_decode_attention(gpu: &Device, rng: &mut Rng) -> Result<()> {
     Ok(())
 }
 
+/// `qk_norm_rope` on a training-sized batch (a warp a token, Qwen3-4B's heads, positions of
+/// several packed sequences) against the four kernels it replaces on the same device: bit for bit.
+fn check_qk_norm_rope_tokens(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (t, hq, hk, d) = (
+        vime_kernels::cuda::QK_NORM_ROPE_TOKEN_WARPS + 37,
+        32usize,
+        8usize,
+        128usize,
+    );
+    let q = rng.randn(&[t, hq, d], 1.0, DType::BF16, gpu)?;
+    let k = rng.randn(&[t, hk, d], 1.0, DType::BF16, gpu)?;
+    let wq = rng.randn(&[d], 1.0, DType::BF16, gpu)?;
+    let wk = rng.randn(&[d], 1.0, DType::BF16, gpu)?;
+    let pos: Arc<[u32]> = (0..t as u32).map(|i| i % 700).collect();
+    let (eps, theta) = (1e-6, 1_000_000.0);
+    let (fq, fk) = vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, &pos, None, theta)?;
+    let sq = vime_kernels::rope(&vime_kernels::rms_norm(&q, &wq, eps)?, &pos, theta)?;
+    let sk = vime_kernels::rope(&vime_kernels::rms_norm(&k, &wk, eps)?, &pos, theta)?;
+    let same = max_abs_diff(&fq, &sq)?.max(max_abs_diff(&fk, &sk)?);
+    println!(
+        "{:<26} {:<52} max |fused - 4 kernels| {same:e}  {}",
+        "qk_norm_rope (per token)",
+        format!("q [{t}, {hq}, {d}] k [{t}, {hk}, {d}] bf16"),
+        if same == 0.0 { "ok" } else { "FAIL" }
+    );
+    if same != 0.0 {
+        failures.push(format!("qk_norm_rope per token: fused vs kernels {same:e}"));
+    }
+    Ok(())
+}
+
 /// The decode step's fused launches: `qk_norm_rope` against the four kernels it replaces on the
 /// same device (bit for bit) and against the CPU (bf16 bound); `write_rows2` against two
 /// `write_rows` on the CPU (bit for bit).
 fn check_fused_decode_ops(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    check_qk_norm_rope_tokens(gpu, rng, failures)?;
     let (t, hq, hk, d) = (257usize, 32usize, 8usize, 128usize);
     let q = rng.randn(&[t, hq, d], 1.0, DType::BF16, &Device::Cpu)?;
     let k = rng.randn(&[t, hk, d], 1.0, DType::BF16, &Device::Cpu)?;

@@ -488,6 +488,11 @@ impl Block {
             let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
             let pos_dev = rows.positions_dev();
             vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, positions, pos_dev, ctx.rope_theta)?
+        } else if !ctx.kernels.batch_invariant() {
+            // Training and scoring: the same single launch (bit-equal to the four kernels below,
+            // which `--true-on-policy-mode` keeps running as they are).
+            let (wq, wk) = (dw(&self.q_norm), dw(&self.k_norm));
+            vime_kernels::rope::qk_norm_rope(&q, &k, &wq, &wk, eps, positions, None, ctx.rope_theta)?
         } else {
             (
                 rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, positions, ctx.rope_theta)?,

@@ -33,8 +33,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use vime_dist::{Collectives, ReduceOp, SingleRank};
 use vime_kernels::{
-    logprobs_entropy_backward, logprobs_entropy_saved_with, logprobs_entropy_with, rms_norm, rms_norm_backward,
-    KernelConfig,
+    logprobs_entropy_backward, logprobs_entropy_backward_into, logprobs_entropy_saved_with, logprobs_entropy_with,
+    rms_norm, rms_norm_backward, KernelConfig,
 };
 
 /// Which activations a layer keeps between its forward and its backward.
@@ -536,6 +536,23 @@ impl Qwen3 {
         w(self.lm_head.as_ref().unwrap_or(&self.embed), track)
     }
 
+    /// The gradient name of the LM head's weight (the embedding's when they are tied).
+    fn head_grad_name(&self) -> &'static str {
+        match self.lm_head {
+            Some(_) => "lm_head.weight",
+            None => "model.embed_tokens.weight",
+        }
+    }
+
+    /// The dtype of the gradient sums (f32; f64 for an f64 model).
+    fn grad_sum_dtype(&self) -> DType {
+        if self.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
     fn check_batch(&self, batch: &PackedBatch) -> Result<()> {
         let v = self.cfg.vocab_size as u32;
         if let Some((i, &id)) = batch.input_ids.iter().enumerate().find(|(_, &id)| id >= v) {
@@ -976,6 +993,22 @@ impl Qwen3 {
         // Forward. A layer that keeps everything fills `saved[l]`; the first layer of a
         // recompute group keeps its input in `inputs[l]`, and under keep-attention every
         // recomputed layer its attention in `kept[l]`.
+        let mut params = sums;
+        // The LM head's gradient sum (the embedding's too when they are tied), taken out of the
+        // running sums or made now, before the forward, while memory is low: the head's GEMMs
+        // add into it in f32 and the embedding's backward adds its rows in place, so no
+        // `[V, H]` buffer is allocated at the memory peak and nothing is rounded to bf16.
+        let head_sum = match head {
+            Head::Lm(_) if tp.size() == 1 => Some(match params.remove(self.head_grad_name()) {
+                Some(s) => s,
+                None => Tensor::zeros(
+                    self.lm_head_weight(false).dims(),
+                    self.grad_sum_dtype(),
+                    self.embed.device(),
+                )?,
+            }),
+            _ => None,
+        };
         let n = self.blocks.len();
         let mut inputs: Vec<Option<Tensor>> = (0..n).map(|_| None).collect();
         let mut saved: Vec<Option<Saved>> = (0..n).map(|_| None).collect();
@@ -1001,9 +1034,8 @@ impl Qwen3 {
 
         // Head: final norm + the caller's loss. Every gradient is added to `sums` (the earlier
         // micro-batches'; the weight GEMMs accumulate into them in place).
-        let mut params = sums;
         let (loss_value, mut g, head_grads, tied_head_grad) = match head {
-            Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params, tp)?,
+            Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params, tp, head_sum)?,
             // Under SP a custom head (the critic's value head, replicated over TP) sees every
             // token: the last residual is gathered, the head runs on the whole batch on every rank
             // (so its gradients and the final norm's are whole on each, as at TP 1), and dL/dx is
@@ -1011,9 +1043,12 @@ impl Qwen3 {
             head if self.ctx.sequence_parallel => {
                 let whole = tp.all_gather(&x)?;
                 let (l, g, hg, tied) = self.autograd_head(&whole, batch, head, &mut params)?;
-                (l, self.sp_slice(&g)?, hg, tied)
+                (l, self.sp_slice(&g)?, hg, tied.map(TiedGrad::Grad))
             }
-            head => self.autograd_head(&x, batch, head, &mut params)?,
+            head => {
+                let (l, g, hg, tied) = self.autograd_head(&x, batch, head, &mut params)?;
+                (l, g, hg, tied.map(TiedGrad::Grad))
+            }
         };
         drop(x);
 
@@ -1044,6 +1079,35 @@ impl Qwen3 {
         }
 
         // Embedding (under TP: this rank's vocabulary rows; the other ranks' rows are masked out).
+        // Into a running sum where there is one (the tied head's, or an earlier micro-batch's),
+        // in place: only the batch's rows are touched.
+        let embed_name = "model.embed_tokens.weight".to_string();
+        let into = match (&embed_local, tied_head_grad) {
+            (None, Some(TiedGrad::Sum(sum))) => Ok(sum),
+            (None, None) => match params.remove(&embed_name) {
+                Some(sum) if sum.dtype() == self.grad_sum_dtype() => Ok(sum),
+                Some(other) => {
+                    params.insert(embed_name.clone(), other);
+                    Err(None)
+                }
+                None => Err(None),
+            },
+            (_, tied) => Err(tied.map(TiedGrad::into_tensor)),
+        };
+        let tied_head_grad = match into {
+            Ok(sum) => {
+                let sum = vime_kernels::embedding_backward_into(&batch.input_ids, &g, sum)?;
+                params.insert(embed_name, sum);
+                return Ok((
+                    loss_value,
+                    Gradients {
+                        params,
+                        head: head_grads,
+                    },
+                ));
+            }
+            Err(tied) => tied,
+        };
         let ge = match &embed_local {
             None => {
                 vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?
@@ -1060,7 +1124,7 @@ impl Qwen3 {
                 tied_head_grad.as_ref(),
             )?,
         };
-        add_gradient(&mut params, "model.embed_tokens.weight".to_string(), ge)?;
+        add_gradient(&mut params, embed_name, ge)?;
         Ok((
             loss_value,
             Gradients {
@@ -1174,7 +1238,8 @@ impl Qwen3 {
         loss_fn: LossFn<'_>,
         params: &mut BTreeMap<String, Tensor>,
         tp: &dyn Collectives,
-    ) -> Result<(f64, Tensor, GradStore, Option<Tensor>)> {
+        head_sum: Option<Tensor>,
+    ) -> Result<(f64, Tensor, GradStore, Option<TiedGrad>)> {
         let eps = self.cfg.rms_norm_eps;
         let norm_w = w(&self.norm, false);
         let hn = rms_norm(x, &norm_w, eps)?;
@@ -1223,19 +1288,30 @@ impl Qwen3 {
             Some(d) => d,
             None => ent.zeros_like()?,
         };
-        let (dhn, dwlm) = match &saved {
-            HeadSaved::Whole(s) => logprobs_entropy_backward(s, &hn, &wlm, &dlp, &dent)?,
-            HeadSaved::Vocab(s, shard) => crate::vocab_parallel::vocab_parallel_logprobs_entropy_backward(
-                &hn,
-                &wlm,
-                &batch.targets,
-                shard,
-                s,
-                &dlp,
-                &dent,
-                tp,
-                self.vocab_parallel_chunk(),
-            )?,
+        let (dhn, dwlm) = match (&saved, head_sum) {
+            (HeadSaved::Whole(s), Some(sum)) => {
+                let (dh, sum) = logprobs_entropy_backward_into(s, &hn, &wlm, &dlp, &dent, sum)?;
+                (dh, TiedGrad::Sum(sum))
+            }
+            (HeadSaved::Whole(s), None) => {
+                let (dh, dw) = logprobs_entropy_backward(s, &hn, &wlm, &dlp, &dent)?;
+                (dh, TiedGrad::Grad(dw))
+            }
+            (HeadSaved::Vocab(_, _), Some(_)) => bail!("the vocabulary-parallel head takes no running sum"),
+            (HeadSaved::Vocab(s, shard), None) => {
+                let (dh, dw) = crate::vocab_parallel::vocab_parallel_logprobs_entropy_backward(
+                    &hn,
+                    &wlm,
+                    &batch.targets,
+                    shard,
+                    s,
+                    &dlp,
+                    &dent,
+                    tp,
+                    self.vocab_parallel_chunk(),
+                )?;
+                (dh, TiedGrad::Grad(dw))
+            }
         };
         drop(saved);
         let dhn = if self.ctx.sequence_parallel {
@@ -1250,14 +1326,34 @@ impl Qwen3 {
             dnorm
         };
         add_gradient(params, "model.norm.weight".to_string(), dnorm)?;
-        let tied = match &self.lm_head {
-            Some(_) => {
-                add_gradient(params, "lm_head.weight".to_string(), dwlm)?;
+        let tied = match (&self.lm_head, dwlm) {
+            (Some(_), TiedGrad::Sum(sum)) => {
+                params.insert("lm_head.weight".to_string(), sum);
                 None
             }
-            None => Some(dwlm),
+            (Some(_), TiedGrad::Grad(dw)) => {
+                add_gradient(params, "lm_head.weight".to_string(), dw)?;
+                None
+            }
+            (None, tied) => Some(tied),
         };
         Ok((loss_value, g, head_grads, tied))
+    }
+}
+
+/// The LM head's weight gradient as the head hands it to the embedding's backward when the two
+/// are tied: the head's gradient alone (added to the embedding's as its init), or the running
+/// sum that already holds it (the embedding's rows are added into it in place).
+enum TiedGrad {
+    Grad(Tensor),
+    Sum(Tensor),
+}
+
+impl TiedGrad {
+    fn into_tensor(self) -> Tensor {
+        match self {
+            TiedGrad::Grad(t) | TiedGrad::Sum(t) => t,
+        }
     }
 }
 
