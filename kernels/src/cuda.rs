@@ -1525,25 +1525,6 @@ pub fn adamw_update(
 // Embedding backward
 // ---------------------------------------------------------------------------------------------
 
-/// The positions of `ids` grouped by id (a counting sort, positions increasing within an id) and
-/// the offsets of each id's group: id `v`'s positions are `pos[offs[v]..offs[v + 1]]`.
-fn group_by_id(ids: &[u32], vocab: usize) -> (Vec<u32>, Vec<u32>) {
-    let mut offs = vec![0u32; vocab + 1];
-    for &id in ids {
-        offs[id as usize + 1] += 1;
-    }
-    for v in 0..vocab {
-        offs[v + 1] += offs[v];
-    }
-    let mut next = offs.clone();
-    let mut pos = vec![0u32; ids.len()];
-    for (i, &id) in ids.iter().enumerate() {
-        pos[next[id as usize] as usize] = i as u32;
-        next[id as usize] += 1;
-    }
-    (offs, pos)
-}
-
 /// See `crate::embedding`: f32 `[vocab, D]` from bf16 `g: [T, D]` (contiguous) and optional bf16
 /// `init: [vocab, D]`. The positions are grouped by token id with a counting sort on the host.
 pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Option<&Tensor>) -> Result<Tensor> {
@@ -1552,7 +1533,19 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
         candle_core::Device::Cuda(dv) => dv.clone(),
         _ => bail!("embedding_backward: tensors must be on a CUDA device"),
     };
-    let (offs, pos) = group_by_id(ids, vocab);
+    let mut offs = vec![0u32; vocab + 1];
+    for &id in ids {
+        offs[id as usize + 1] += 1;
+    }
+    for v in 0..vocab {
+        offs[v + 1] += offs[v];
+    }
+    let mut next = offs.clone();
+    let mut pos = vec![0u32; t];
+    for (i, &id) in ids.iter().enumerate() {
+        pos[next[id as usize] as usize] = i as u32;
+        next[id as usize] += 1;
+    }
     let out = unsafe { dev.alloc::<f32>((vocab * d).max(1)) }?;
     if vocab > 0 && d > 0 {
         let (offs_d, pos_d) = (upload_u32(&dev, &offs)?, upload_u32(&dev, &pos)?);
@@ -1594,8 +1587,20 @@ pub(crate) fn embedding_backward_acc(ids: &[u32], g: &Tensor, acc: &Tensor) -> R
     if t == 0 || d == 0 {
         return Ok(());
     }
-    // The ids that occur (increasing) with their position ranges.
-    let (count, pos) = group_by_id(ids, vocab);
+    // Counting sort by id, then the ids that occur (increasing) with their position ranges.
+    let mut count = vec![0u32; vocab + 1];
+    for &id in ids {
+        count[id as usize + 1] += 1;
+    }
+    for v in 0..vocab {
+        count[v + 1] += count[v];
+    }
+    let mut next = count.clone();
+    let mut pos = vec![0u32; t];
+    for (i, &id) in ids.iter().enumerate() {
+        pos[next[id as usize] as usize] = i as u32;
+        next[id as usize] += 1;
+    }
     let (mut rows, mut offs) = (Vec::new(), vec![0u32]);
     for v in 0..vocab {
         if count[v + 1] > count[v] {
