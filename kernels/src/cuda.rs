@@ -907,6 +907,7 @@ pub(crate) fn lm_head_bwd(
     chunk_tokens: usize,
 ) -> Result<(CudaStorage, Shape)> {
     check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
+    check_head_grad(grad.dtype(), fwd_out)?;
     let dev = &h.device;
     let (t, hid) = (lh.dims()[0], lh.dims()[1]);
     let v = lw.dims()[0];
@@ -940,6 +941,7 @@ pub(crate) fn lm_head_bwd_into(
     dw_sum: &Tensor,
 ) -> Result<Tensor> {
     check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
+    check_head_grad(grad.dtype(), fwd_out)?;
     let (t, hid) = h.dims2()?;
     let v = w.dim(0)?;
     if dw_sum.dims() != [v, hid] || dw_sum.dtype() != DType::F32 {
@@ -980,6 +982,14 @@ pub(crate) fn lm_head_bwd_into(
     Ok(device_tensor(out, &dev, (t, hid)))
 }
 
+/// The LM head backward's f32 inputs: the output gradient and the saved forward output.
+fn check_head_grad(grad: DType, fwd_out: &Tensor) -> Result<()> {
+    if grad != DType::F32 || fwd_out.dtype() != DType::F32 {
+        bail!("logprobs_entropy backward: the output gradient and saved output must be f32");
+    }
+    Ok(())
+}
+
 /// Where the LM head's backward puts `d_lm_head`: bf16 at this address (written, in f32 first when
 /// the tokens take more than one chunk), or added into the f32 sum at this address.
 #[derive(Clone, Copy)]
@@ -1004,9 +1014,6 @@ fn lm_head_bwd_core(
     dw: DwOut,
 ) -> Result<()> {
     let (t, hid, v, gdims) = dims;
-    if fwd_out.dtype() != DType::F32 {
-        bail!("logprobs_entropy backward: the output gradient and saved output must be f32");
-    }
     if gdims != [t, 3] || fwd_out.dims() != [t, 3] {
         bail!(
             "logprobs_entropy backward: gradient {:?} / saved output {:?} are not [{t}, 3]",

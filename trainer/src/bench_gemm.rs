@@ -24,21 +24,32 @@ pub struct BenchGemmArgs {
     pub device: String,
 }
 
-/// The block's linear layers as (name, out, in), the fused ones last.
-fn layers(cfg: &vime_qwen3::config::Qwen3Config) -> Vec<(&'static str, usize, usize)> {
+/// Which per-layer total a linear layer counts in: the block as it runs (separate q, k, v, gate,
+/// up), the fused alternative (q|k|v, gate|up), or both (o, down).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    Separate,
+    Fused,
+    Both,
+}
+
+/// The block's linear layers as (name, out, in, the totals they count in), the fused ones last.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn layers(cfg: &vime_qwen3::config::Qwen3Config) -> Vec<(&'static str, usize, usize, Layout)> {
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
     let q = cfg.num_attention_heads * cfg.head_dim;
     let kv = cfg.num_key_value_heads * cfg.head_dim;
     vec![
-        ("q_proj", q, h),
-        ("k_proj", kv, h),
-        ("v_proj", kv, h),
-        ("o_proj", h, q),
-        ("gate_proj", i, h),
-        ("up_proj", i, h),
-        ("down_proj", h, i),
-        ("qkv (fused)", q + 2 * kv, h),
-        ("gate_up (fused)", 2 * i, h),
+        ("q_proj", q, h, Layout::Separate),
+        ("k_proj", kv, h, Layout::Separate),
+        ("v_proj", kv, h, Layout::Separate),
+        ("o_proj", h, q, Layout::Both),
+        ("gate_proj", i, h, Layout::Separate),
+        ("up_proj", i, h, Layout::Separate),
+        ("down_proj", h, i, Layout::Both),
+        ("qkv (fused)", q + 2 * kv, h, Layout::Fused),
+        ("gate_up (fused)", 2 * i, h, Layout::Fused),
     ]
 }
 
@@ -48,10 +59,12 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
     let cfg = config_of(&args.model)?;
     let device = crate::device::parse_device(&args.device)?;
     let t = args.tokens;
-    let cases: Vec<_> = layers(&cfg)
-        .into_iter()
-        .flat_map(|(name, out, inp)| linear_cases(name, t, out, inp))
-        .collect();
+    let (mut cases, mut layouts) = (Vec::new(), Vec::new());
+    for (name, out, inp, layout) in layers(&cfg) {
+        let c = linear_cases(name, t, out, inp);
+        layouts.extend(std::iter::repeat_n(layout, c.len()));
+        cases.extend(c);
+    }
     let timings = bench(&device, &cases, args.algos, args.reps)?;
     println!(
         "bench-gemm model {} tokens {t} algos {} reps {}",
@@ -63,7 +76,7 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
     );
     // Per-layer totals: separate projections, fused ones, each with GemmEx / Lt[0] / Lt best.
     let mut tot = std::collections::BTreeMap::<&str, [f64; 3]>::new();
-    for tm in &timings {
+    for (tm, &layout) in timings.iter().zip(&layouts) {
         let c = &tm.case;
         let lt0 = tm.lt_ms.first().copied().unwrap_or(f64::NAN);
         let (bi, best) = tm.lt_best().unwrap_or((usize::MAX, f64::NAN));
@@ -82,27 +95,21 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
             bi
         );
         // One micro-batch's GEMMs as the block runs them: fwd, dgrad, and the wgrad of the
-        // first micro-batch (beta 0); the beta-1 line is informational.
-        if c.name.ends_with("+=") {
+        // first micro-batch (beta 0); the running-sum wgrad (beta 1) is informational.
+        if c.beta != 0.0 {
             continue;
         }
-        let fused = c.name.contains("fused");
-        let is_qkv_or_gu = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
-            .iter()
-            .any(|p| c.name.starts_with(p));
         let mut add = |key: &'static str| {
             let e = tot.entry(key).or_insert([0.0; 3]);
             e[0] += tm.gemm_ex_ms;
             e[1] += lt0;
             e[2] += best;
         };
-        if fused {
-            add("layer, fused qkv + gate_up");
-        } else {
+        if layout != Layout::Fused {
             add("layer, separate (as now)");
-            if !is_qkv_or_gu {
-                add("layer, fused qkv + gate_up");
-            }
+        }
+        if layout != Layout::Separate {
+            add("layer, fused qkv + gate_up");
         }
     }
     let l = cfg.num_hidden_layers as f64;
@@ -122,6 +129,6 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 pub fn run(args: &BenchGemmArgs) -> Result<()> {
-    let _ = (config_of(&args.model)?, layers);
+    config_of(&args.model)?;
     anyhow::bail!("bench-gemm times cuBLAS GEMMs: this vime-train was built without the cuda feature")
 }

@@ -9,7 +9,7 @@
 use super::{gemm, tensor_addr};
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys as lt_sys};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
-use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use half::bf16;
 
@@ -102,19 +102,12 @@ fn time_ms(dev: &CudaDevice, warm: usize, reps: usize, f: &mut dyn FnMut() -> Re
     }
     let stream = dev.cuda_stream();
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream
-        .record_event(flags)
-        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
+    let start = stream.record_event(flags).w()?;
     for _ in 0..reps {
         f()?;
     }
-    let end = stream
-        .record_event(flags)
-        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
-    let ms = start
-        .elapsed_ms(&end)
-        .map_err(|e| candle_core::Error::Msg(format!("{e:?}")))?;
-    Ok(ms as f64 / reps as f64)
+    let end = stream.record_event(flags).w()?;
+    Ok(start.elapsed_ms(&end).w()? as f64 / reps as f64)
 }
 
 fn lt_err(what: &str) -> impl Fn(lt::CublasError) -> candle_core::Error + '_ {
@@ -190,20 +183,19 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
         ];
         let mut found = 0i32;
         unsafe {
-            lt::set_matmul_desc_attribute(
-                desc,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &opa as *const _ as *const _,
-                sz,
-            )
-            .map_err(lt_err("transa"))?;
-            lt::set_matmul_desc_attribute(
-                desc,
-                lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                &opb as *const _ as *const _,
-                sz,
-            )
-            .map_err(lt_err("transb"))?;
+            for (attr, op) in [
+                (
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    &opa,
+                ),
+                (
+                    lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    &opb,
+                ),
+            ] {
+                lt::set_matmul_desc_attribute(desc, attr, op as *const i32 as *const _, sz)
+                    .map_err(lt_err("transpose"))?;
+            }
             lt::set_matmul_pref_attribute(
                 pref,
                 lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,

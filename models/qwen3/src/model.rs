@@ -1080,39 +1080,26 @@ impl Qwen3 {
 
         // Embedding (under TP: this rank's vocabulary rows; the other ranks' rows are masked out).
         // Into a running sum where there is one (the tied head's, or an earlier micro-batch's),
-        // in place: only the batch's rows are touched.
+        // in place: only the batch's rows are touched. The sum is out of `params` then, so the
+        // `add_gradient` below stores the result as it is.
         let embed_name = "model.embed_tokens.weight".to_string();
-        let into = match (&embed_local, tied_head_grad) {
-            (None, Some(TiedGrad::Sum(sum))) => Ok(sum),
-            (None, None) => match params.remove(&embed_name) {
-                Some(sum) if sum.dtype() == self.grad_sum_dtype() => Ok(sum),
-                Some(other) => {
-                    params.insert(embed_name.clone(), other);
-                    Err(None)
-                }
-                None => Err(None),
-            },
-            (_, tied) => Err(tied.map(TiedGrad::into_tensor)),
-        };
-        let tied_head_grad = match into {
-            Ok(sum) => {
-                let sum = vime_kernels::embedding_backward_into(&batch.input_ids, &g, sum)?;
-                params.insert(embed_name, sum);
-                return Ok((
-                    loss_value,
-                    Gradients {
-                        params,
-                        head: head_grads,
-                    },
-                ));
+        let (sum, tied_head_grad) = match (&embed_local, tied_head_grad) {
+            (None, Some(TiedGrad::Sum(sum))) => (Some(sum), None),
+            (None, None)
+                if params
+                    .get(&embed_name)
+                    .is_some_and(|s| s.dtype() == self.grad_sum_dtype()) =>
+            {
+                (params.remove(&embed_name), None)
             }
-            Err(tied) => tied,
+            (_, tied) => (None, tied.map(TiedGrad::into_tensor)),
         };
-        let ge = match &embed_local {
-            None => {
+        let ge = match (sum, &embed_local) {
+            (Some(sum), _) => vime_kernels::embedding_backward_into(&batch.input_ids, &g, sum)?,
+            (None, None) => {
                 vime_kernels::embedding_backward(&batch.input_ids, &g, self.cfg.vocab_size, tied_head_grad.as_ref())?
             }
-            Some(EmbedLocal { ids, mask }) => vime_kernels::embedding_backward(
+            (None, Some(EmbedLocal { ids, mask })) => vime_kernels::embedding_backward(
                 ids,
                 &if self.ctx.sequence_parallel {
                     tp.all_gather(&g)?
