@@ -991,12 +991,51 @@ extern "C" __global__ void vime_rows_write_bf16(bf16* __restrict__ pool, const b
 // ------------------------------------------------------------------------------------------------
 // q_stride / k_stride: elements from one token's heads to the next (hq * 128 and hk * 128 for
 // contiguous inputs; the fused q|k|v row width when q and k are views of one projection).
+// The angles of a lane's two rotation pairs (j = lane and lane + 32 of d = 128) at position p.
+__device__ __forceinline__ void qk_rope_angles(float p, int lane, float theta, float* sn, float* cs) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int j = lane + 32 * i;
+        const float inv_freq = 1.f / powf(theta, (float)(2 * j) / 128.f);
+        sincosf(p * inv_freq, &sn[i], &cs[i]);
+    }
+}
+
+// One head row (d = 128, four columns a lane): RMSNorm by weight w (bf16, rounded to bf16 as
+// vime_rmsnorm_fwd_warp does), then the rotation by the lane's angles.
+__device__ __forceinline__ void qk_norm_rope_row(const bf16* __restrict__ xr, bf16* __restrict__ yr,
+                                                 const bf16* __restrict__ w, int lane, float eps,
+                                                 const float* sn, const float* cs) {
+    float xv[4];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        xv[i] = __bfloat162float(xr[lane + 32 * i]);
+        ss += xv[i] * xv[i];
+    }
+    ss = warp_sum(ss);
+    const float rstd = 1.f / sqrtf(ss / 128.f + eps);
+    float nv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        nv[i] = __bfloat162float(__float2bfloat16(xv[i] * rstd * __bfloat162float(w[lane + 32 * i])));
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int j = lane + 32 * i;
+        float y1, y2;
+        rope_rot(nv[i], nv[i + 2], cs[i], sn[i], &y1, &y2);
+        yr[j] = __float2bfloat16(y1);
+        yr[j + 64] = __float2bfloat16(y2);
+    }
+}
+
 extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                              const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                              const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
                                              bf16* __restrict__ ko, int t, int hq, int hk, float eps,
                                              float theta, long long q_stride, long long k_stride) {
-    const int d = 128, half = 64;
+    const int d = 128;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows = t * (hq + hk);
     for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
@@ -1005,34 +1044,9 @@ extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const b
         const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
                               : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
         bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
-        const bf16* w = is_q ? wq : wk;
-        float xv[4];
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            xv[i] = __bfloat162float(xr[lane + 32 * i]);
-            ss += xv[i] * xv[i];
-        }
-        ss = warp_sum(ss);
-        const float rstd = 1.f / sqrtf(ss / (float)d + eps);
-        float nv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            nv[i] = __bfloat162float(__float2bfloat16(xv[i] * rstd * __bfloat162float(w[lane + 32 * i])));
-        }
-        const float p = (float)pos[tok];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int j = lane + 32 * i;
-            const float inv_freq = 1.f / powf(theta, (float)(2 * j) / (float)d);
-            const float a = p * inv_freq;
-            float sn, c;
-            sincosf(a, &sn, &c);
-            float y1, y2;
-            rope_rot(nv[i], nv[i + 2], c, sn, &y1, &y2);
-            yr[j] = __float2bfloat16(y1);
-            yr[j + half] = __float2bfloat16(y2);
-        }
+        float sn[2], cs[2];
+        qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
+        qk_norm_rope_row(xr, yr, is_q ? wq : wk, lane, eps, sn, cs);
     }
 }
 
@@ -1046,50 +1060,17 @@ extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, con
                                                  const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
                                                  bf16* __restrict__ ko, int t, int hq, int hk, float eps,
                                                  float theta, long long q_stride, long long k_stride) {
-    const int d = 128, half = 64;
+    const int d = 128;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float wqv[4], wkv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        wqv[i] = __bfloat162float(wq[lane + 32 * i]);
-        wkv[i] = __bfloat162float(wk[lane + 32 * i]);
-    }
     for (int tok = blockIdx.x * RMSW_WARPS + warp; tok < t; tok += gridDim.x * RMSW_WARPS) {
-        const float p = (float)pos[tok];
         float sn[2], cs[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int j = lane + 32 * i;
-            const float inv_freq = 1.f / powf(theta, (float)(2 * j) / (float)d);
-            const float a = p * inv_freq;
-            sincosf(a, &sn[i], &cs[i]);
-        }
+        qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
         for (int hh = 0; hh < hq + hk; ++hh) {
             const bool is_q = hh < hq;
             const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
                                   : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
             bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
-            const float* wv = is_q ? wqv : wkv;
-            float xv[4];
-            float ss = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                xv[i] = __bfloat162float(xr[lane + 32 * i]);
-                ss += xv[i] * xv[i];
-            }
-            ss = warp_sum(ss);
-            const float rstd = 1.f / sqrtf(ss / (float)d + eps);
-            float nv[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) nv[i] = __bfloat162float(__float2bfloat16(xv[i] * rstd * wv[i]));
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int j = lane + 32 * i;
-                float y1, y2;
-                rope_rot(nv[i], nv[i + 2], cs[i], sn[i], &y1, &y2);
-                yr[j] = __float2bfloat16(y1);
-                yr[j + half] = __float2bfloat16(y2);
-            }
+            qk_norm_rope_row(xr, yr, is_q ? wq : wk, lane, eps, sn, cs);
         }
     }
 }

@@ -1532,14 +1532,9 @@ pub fn adamw_update(
 // Embedding backward
 // ---------------------------------------------------------------------------------------------
 
-/// See `crate::embedding`: f32 `[vocab, D]` from bf16 `g: [T, D]` (contiguous) and optional bf16
-/// `init: [vocab, D]`. The positions are grouped by token id with a counting sort on the host.
-pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Option<&Tensor>) -> Result<Tensor> {
-    let (t, d) = g.dims2()?;
-    let dev = match g.device() {
-        candle_core::Device::Cuda(dv) => dv.clone(),
-        _ => bail!("embedding_backward: tensors must be on a CUDA device"),
-    };
+/// The positions of `ids` grouped by id (a counting sort, positions increasing within an id) and
+/// the offsets of each id's group: id `v`'s positions are `pos[offs[v]..offs[v + 1]]`.
+fn group_by_id(ids: &[u32], vocab: usize) -> (Vec<u32>, Vec<u32>) {
     let mut offs = vec![0u32; vocab + 1];
     for &id in ids {
         offs[id as usize + 1] += 1;
@@ -1548,11 +1543,23 @@ pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Op
         offs[v + 1] += offs[v];
     }
     let mut next = offs.clone();
-    let mut pos = vec![0u32; t];
+    let mut pos = vec![0u32; ids.len()];
     for (i, &id) in ids.iter().enumerate() {
         pos[next[id as usize] as usize] = i as u32;
         next[id as usize] += 1;
     }
+    (offs, pos)
+}
+
+/// See `crate::embedding`: f32 `[vocab, D]` from bf16 `g: [T, D]` (contiguous) and optional bf16
+/// `init: [vocab, D]`. The positions are grouped by token id with a counting sort on the host.
+pub(crate) fn embedding_backward(ids: &[u32], g: &Tensor, vocab: usize, init: Option<&Tensor>) -> Result<Tensor> {
+    let (t, d) = g.dims2()?;
+    let dev = match g.device() {
+        candle_core::Device::Cuda(dv) => dv.clone(),
+        _ => bail!("embedding_backward: tensors must be on a CUDA device"),
+    };
+    let (offs, pos) = group_by_id(ids, vocab);
     let out = unsafe { dev.alloc::<f32>((vocab * d).max(1)) }?;
     if vocab > 0 && d > 0 {
         let (offs_d, pos_d) = (upload_u32(&dev, &offs)?, upload_u32(&dev, &pos)?);
@@ -1594,20 +1601,8 @@ pub(crate) fn embedding_backward_acc(ids: &[u32], g: &Tensor, acc: &Tensor) -> R
     if t == 0 || d == 0 {
         return Ok(());
     }
-    // Counting sort by id, then the ids that occur (increasing) with their position ranges.
-    let mut count = vec![0u32; vocab + 1];
-    for &id in ids {
-        count[id as usize + 1] += 1;
-    }
-    for v in 0..vocab {
-        count[v + 1] += count[v];
-    }
-    let mut next = count.clone();
-    let mut pos = vec![0u32; t];
-    for (i, &id) in ids.iter().enumerate() {
-        pos[next[id as usize] as usize] = i as u32;
-        next[id as usize] += 1;
-    }
+    // The ids that occur (increasing) with their position ranges.
+    let (count, pos) = group_by_id(ids, vocab);
     let (mut rows, mut offs) = (Vec::new(), vec![0u32]);
     for v in 0..vocab {
         if count[v + 1] > count[v] {

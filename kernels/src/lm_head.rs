@@ -197,6 +197,15 @@ pub fn logprobs_entropy_backward(
             return Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")));
         }
     };
+    let grad = output_grad(out, d_logprobs, d_entropy)?;
+    let (dh, dw) = op.bwd(&hidden.contiguous()?, &lm_head.contiguous()?, out, &grad)?;
+    Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")))
+}
+
+/// The gradient of the kernel op's raw output `out` (`[T, 2]`, or `[T, 3]` on CUDA) from those of
+/// its two outputs: `[d_logprobs, d_entropy]` per token, zeros for CUDA's third column (the
+/// log-sum-exp, internal: no gradient).
+fn output_grad(out: &Tensor, d_logprobs: &Tensor, d_entropy: &Tensor) -> Result<Tensor> {
     let (t, cols) = out.dims2()?;
     if d_logprobs.dims() != [t] || d_entropy.dims() != [t] {
         bail!(
@@ -206,13 +215,11 @@ pub fn logprobs_entropy_backward(
         );
     }
     let dt = out.dtype();
-    let mut grad = Tensor::stack(&[d_logprobs.to_dtype(dt)?, d_entropy.to_dtype(dt)?], 1)?;
+    let grad = Tensor::stack(&[d_logprobs.to_dtype(dt)?, d_entropy.to_dtype(dt)?], 1)?;
     if cols > 2 {
-        // CUDA's third column (the log-sum-exp) is internal: no gradient.
-        grad = Tensor::cat(&[grad, Tensor::zeros((t, cols - 2), dt, out.device())?], 1)?;
+        return Tensor::cat(&[grad, Tensor::zeros((t, cols - 2), dt, out.device())?], 1);
     }
-    let (dh, dw) = op.bwd(&hidden.contiguous()?, &lm_head.contiguous()?, out, &grad)?;
-    Ok((dh.expect("lm head d_hidden"), dw.expect("lm head d_lm_head")))
+    Ok(grad)
 }
 
 /// [`logprobs_entropy_backward`] with `d_lm_head` added to the running gradient sum `sum: [V, H]`
@@ -238,23 +245,7 @@ pub fn logprobs_entropy_backward_into(
     #[cfg(feature = "cuda")]
     if let SavedLmHead::Kernel { op, out } = &saved.0 {
         if out.device().is_cuda() && sum.dtype() == candle_core::DType::F32 && sum.is_contiguous() {
-            let t = out.dim(0)?;
-            if d_logprobs.dims() != [t] || d_entropy.dims() != [t] {
-                bail!(
-                    "logprobs_entropy_backward: gradients {:?} and {:?} for {t} tokens",
-                    d_logprobs.dims(),
-                    d_entropy.dims()
-                );
-            }
-            let dt = out.dtype();
-            let grad = Tensor::stack(
-                &[
-                    d_logprobs.to_dtype(dt)?,
-                    d_entropy.to_dtype(dt)?,
-                    Tensor::zeros(t, dt, out.device())?,
-                ],
-                1,
-            )?;
+            let grad = output_grad(out, d_logprobs, d_entropy)?;
             let dh = crate::cuda::lm_head_bwd_into(
                 &hidden.contiguous()?,
                 &lm_head.contiguous()?,
