@@ -24,7 +24,7 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
-    for name in ["ops", "flash_attn", "decode", "invariant"] {
+    for name in ["ops", "flash_attn", "decode", "invariant", "fp8"] {
         let src = PathBuf::from("cuda").join(format!("{name}.cu"));
         println!("cargo:rerun-if-changed={}", src.display());
         let ptx = out.join(format!("{name}.ptx"));

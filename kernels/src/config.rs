@@ -108,6 +108,10 @@ pub struct KernelConfig {
     batch_invariant: bool,
     /// The decode attention kernel on CUDA ([`DecodeKernel`]).
     decode_kernel: DecodeKernel,
+    /// `--fp8-format hybrid --fp8-recipe tensorwise`: the decoder blocks' seven linear layers
+    /// run their GEMMs in FP8 (`crate::fp8`): E4M3 weights and activations, E5M2 gradients,
+    /// one scale per tensor from its own amax. The LM head, norms and attention stay bf16.
+    fp8: bool,
     /// Set once cuDNN failed under `auto` + `fallback`: every later call runs the flash kernel.
     cudnn_off: Arc<AtomicBool>,
 }
@@ -134,6 +138,7 @@ impl KernelConfig {
             on_cudnn_failure,
             batch_invariant: false,
             decode_kernel: DecodeKernel::default(),
+            fp8: false,
             cudnn_off: Arc::default(),
         })
     }
@@ -146,6 +151,16 @@ impl KernelConfig {
 
     pub fn batch_invariant(&self) -> bool {
         self.batch_invariant
+    }
+
+    /// This config with the blocks' linear layers in FP8 or not (see the field's docs).
+    pub fn with_fp8(mut self, on: bool) -> Self {
+        self.fp8 = on;
+        self
+    }
+
+    pub fn fp8(&self) -> bool {
+        self.fp8
     }
 
     /// This config with decode attention run by `kernel` on CUDA.

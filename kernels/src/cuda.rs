@@ -35,6 +35,7 @@ const OPS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/ops.ptx"));
 const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
 const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 const INVARIANT_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/invariant.ptx"));
+const FP8_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fp8.ptx"));
 
 /// Vocabulary columns per logits block of the LM head.
 const VOCAB_CHUNK: usize = 16384;
@@ -93,6 +94,10 @@ macro_rules! launch {
         unsafe { b.launch($cfg) }.w()?;
     }};
 }
+
+mod fp8;
+pub(crate) use fp8::fp8_quantize;
+pub use fp8::{fp8_matmul_t, Fp8Operand, Fp8Plan, Fp8Shape};
 
 /// Device address of a contiguous tensor's first element.
 fn addr<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, what: &str) -> Result<u64> {

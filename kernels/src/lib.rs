@@ -35,6 +35,7 @@ pub mod cuda;
 mod cudnn;
 pub mod decode;
 pub mod embedding;
+pub mod fp8;
 pub mod invariant;
 pub mod lm_head;
 pub mod real;

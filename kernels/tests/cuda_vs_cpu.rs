@@ -207,6 +207,8 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
+    check_fp8(&gpu, &mut rng, &mut failures)?;
+    checks += 6;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -1595,6 +1597,101 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
         "TRUE ON POLICY KERNELS VERDICT: {}",
         if failures.is_empty() { "PASS" } else { "FAIL" }
     );
+    assert!(failures.is_empty(), "{failures:?}");
+    Ok(())
+}
+
+/// FP8 quantization (`cuda/fp8.cu`) bit for bit against the CPU reference of `vime_kernels::fp8`
+/// (bits, transpose and scale), at a projection's shape with an outlier, an odd shape (the
+/// kernels' unpaired tails) in E5M2 and an all-zero tensor; then the FP8 GEMM (cuBLASLt) against
+/// the f64 product of the dequantized operands: a bf16 output, and a weight gradient added to an
+/// f32 sum (E5M2 x E4M3), plus the error for a shape Hopper's FP8 GEMMs cannot take.
+fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    use vime_kernels::cuda::{fp8_matmul_t, Fp8Operand};
+    use vime_kernels::fp8::{quantize, Fp8Format, Fp8Tensor};
+    let mut ok_all = true;
+    for (rows, cols, fmt, scale) in [
+        (1040usize, 2560usize, Fp8Format::E4M3, 1.0f32),
+        (70, 37, Fp8Format::E5M2, 1e-3),
+        (64, 96, Fp8Format::E4M3, 0.0),
+    ] {
+        let x = (rng.randn(&[rows, cols], 1.0, DType::F32, &Device::Cpu)? * scale as f64)?;
+        let x = if scale > 0.0 {
+            x.slice_assign(&[1..2, 3..4], &Tensor::full(-40.0 * scale, (1, 1), &Device::Cpu)?)?
+        } else {
+            x
+        };
+        let x = x.to_dtype(DType::BF16)?;
+        let want = quantize(&x, fmt, true)?;
+        let got = quantize(&x.to_device(gpu)?, fmt, true)?;
+        let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+            Ok(a.flatten_all()?.to_vec1::<u8>()? == b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?)
+        };
+        let bits = same(&want.data, &got.data)?;
+        let bits_t = same(want.data_t.as_ref().unwrap(), got.data_t.as_ref().unwrap())?;
+        let s_w = want.scale_inv.to_vec1::<f32>()?[0];
+        let s_g = got.scale_inv.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0];
+        let ok = bits && bits_t && s_w.to_bits() == s_g.to_bits();
+        ok_all &= ok;
+        println!(
+            "{:<26} {:<52} bits {bits}, transpose {bits_t}, scale_inv {s_g:e} vs {s_w:e}  {}",
+            "fp8 quantize",
+            format!("[{rows}, {cols}] {fmt:?} x{scale}"),
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+    // The GEMMs: out [n, m] = x [n, k] . w [m, k]^T.
+    let q = |t: &Tensor, fmt| -> Result<Fp8Tensor> { quantize(&t.to_dtype(DType::BF16)?.to_device(gpu)?, fmt, false) };
+    let op = Fp8Operand::of;
+    let f64_of = |t: &Fp8Tensor| -> Result<Tensor> { t.dequantize()?.to_dtype(DType::F64) };
+    let (n, m, k) = (1040usize, 1536usize, 2560usize);
+    let x = q(&rng.randn(&[n, k], 1.0, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?;
+    let w = q(&rng.randn(&[m, k], 0.02, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?;
+    let want = f64_of(&x)?.matmul(&f64_of(&w)?.t()?)?;
+    for fast in [false, true] {
+        let got = fp8_matmul_t(op(&x), op(&w), None, DType::BF16, fast)?.expect("a new output");
+        let err = rel_err(&got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?, &want)?;
+        let ok = got.dtype() == DType::BF16 && err <= TOL;
+        ok_all &= ok;
+        println!(
+            "{:<26} {:<52} rel err vs f64 {err:.1e}  {}",
+            "fp8_matmul_t",
+            format!("[{n}, {k}] . [{m}, {k}]^T E4M3, bf16 out, fast accum {fast}"),
+            if ok { "ok" } else { "FAIL" }
+        );
+    }
+    let dy_t = q(&rng.randn(&[m, n], 1e-3, DType::F32, &Device::Cpu)?, Fp8Format::E5M2)?;
+    let x_t = q(&rng.randn(&[k, n], 1.0, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?;
+    let sum = rng.randn(&[m, k], 0.05, DType::F32, &Device::Cpu)?;
+    let want = (sum.to_dtype(DType::F64)? + f64_of(&dy_t)?.matmul(&f64_of(&x_t)?.t()?)?)?;
+    let sum_gpu = sum.to_device(gpu)?;
+    let none = fp8_matmul_t(op(&dy_t), op(&x_t), Some(&sum_gpu), DType::F32, false)?;
+    let err = rel_err(&sum_gpu.to_device(&Device::Cpu)?.to_dtype(DType::F64)?, &want)?;
+    let odd = q(&rng.randn(&[40, 24], 1.0, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?;
+    let bad = fp8_matmul_t(op(&odd), op(&odd), None, DType::BF16, false);
+    let named = matches!(&bad, Err(e) if e.to_string().contains("multiple of 16"));
+    let ok = none.is_none() && err <= 1e-4 && named;
+    ok_all &= ok;
+    println!(
+        "{:<26} {:<52} rel err vs f64 {err:.1e}, shape error {named}  {}",
+        "fp8_matmul_t += f32",
+        format!("sum [{m}, {k}] + [{m}, {n}] E5M2 . [{k}, {n}]^T E4M3"),
+        if ok { "ok" } else { "FAIL" }
+    );
+    if !ok_all {
+        failures.push("fp8: see the fp8 lines above".into());
+    }
+    Ok(())
+}
+
+/// The FP8 checks alone (also part of `every_op_on_cuda_matches_the_cpu_kernel`).
+#[test]
+fn fp8_on_cuda_matches_the_cpu() -> Result<()> {
+    let gpu = Device::new_cuda(0)?;
+    let mut rng = Rng::new(21);
+    let mut failures = Vec::new();
+    check_fp8(&gpu, &mut rng, &mut failures)?;
+    println!("FP8 VERDICT: {}", if failures.is_empty() { "PASS" } else { "FAIL" });
     assert!(failures.is_empty(), "{failures:?}");
     Ok(())
 }

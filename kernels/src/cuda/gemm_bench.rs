@@ -265,3 +265,100 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
     }
     Ok(out)
 }
+
+/// The FP8 form of a bf16 case (see [`super::fp8`]): the same `m, n, k` in the TN layout Hopper's
+/// FP8 GEMMs take, weights and activations E4M3, gradients E5M2 (the forward's B is the
+/// activation; the input and weight gradients' B is the output gradient), fast accumulation in
+/// the forward only, as Transformer Engine runs them.
+pub fn fp8_shape(case: &GemmCase) -> super::Fp8Shape {
+    let fwd = case.ta && !case.tb;
+    super::Fp8Shape {
+        m: case.m,
+        n: case.n,
+        k: case.k,
+        a_e5m2: false,
+        b_e5m2: !fwd,
+        c_f32: case.c_f32,
+        beta: case.beta,
+        fast_accum: fwd,
+    }
+}
+
+/// Times each case's FP8 form ([`fp8_shape`]) with each of up to `algos` cuBLASLt heuristic
+/// algorithms (heuristic order; #0 is what `fp8_matmul_t` runs), on operands quantized from
+/// random normal bf16 values (so the bit patterns, and the power drawn, are realistic).
+pub fn bench_fp8(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> Result<Vec<Vec<f64>>> {
+    use crate::fp8::{quantize, Fp8Format};
+    let dev = match device {
+        Device::Cuda(d) => d.clone(),
+        _ => bail!("bench-gemm needs a CUDA device"),
+    };
+    let ws = Tensor::zeros(super::fp8::LT_WORKSPACE, DType::U8, device)?;
+    let ws_p = tensor_addr::<u8>(&ws, "workspace")?;
+    let handle = lt::create_handle().map_err(lt_err("handle"))?;
+    let stream = dev.cuda_stream().cu_stream() as lt_sys::cudaStream_t;
+    let run = || -> Result<Vec<Vec<f64>>> {
+        let mut out = Vec::with_capacity(cases.len());
+        for case in cases {
+            let s = fp8_shape(case);
+            let fmt = |e5m2: bool| if e5m2 { Fp8Format::E5M2 } else { Fp8Format::E4M3 };
+            let rand = |r: usize, c: usize| -> Result<Tensor> {
+                Tensor::randn(0f32, 1.0, (r, c), device)?.to_dtype(DType::BF16)
+            };
+            // Row-major [m, k] and [n, k]: the K-major column-major A [k, m] and B [k, n].
+            let a = quantize(&rand(s.m, s.k)?, fmt(s.a_e5m2), false)?;
+            let b = quantize(&rand(s.n, s.k)?, fmt(s.b_e5m2), false)?;
+            let c_dtype = if s.c_f32 { DType::F32 } else { DType::BF16 };
+            let c = Tensor::randn(0f32, 1.0, (s.n, s.m), device)?.to_dtype(c_dtype)?;
+            let cp = if s.c_f32 {
+                tensor_addr::<f32>(&c, "c")?
+            } else {
+                tensor_addr::<bf16>(&c, "c")?
+            };
+            let (ap, bp) = (tensor_addr::<u8>(&a.data, "a")?, tensor_addr::<u8>(&b.data, "b")?);
+            let (asp, bsp) = (
+                tensor_addr::<f32>(&a.scale_inv, "a scale")?,
+                tensor_addr::<f32>(&b.scale_inv, "b scale")?,
+            );
+            // A shape cuBLASLt cannot run in FP8 gets no timings (and says why), not an abort.
+            let plan = match super::Fp8Plan::new(handle, s, algos) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("bench-gemm: {}: {e}", case.name);
+                    out.push(Vec::new());
+                    continue;
+                }
+            };
+            let mut ms = Vec::with_capacity(plan.algos.len());
+            for i in 0..plan.algos.len() {
+                ms.push(time_ms(&dev, 3, reps, &mut || unsafe {
+                    plan.run(handle, i, ap, asp, bp, bsp, cp, ws_p, stream)
+                })?);
+            }
+            out.push(ms);
+        }
+        Ok(out)
+    };
+    let r = run();
+    unsafe {
+        let _ = lt::destroy_handle(handle);
+    }
+    r
+}
+
+/// Mean ms of one [`crate::fp8::quantize`] (amax, then the cast with its transpose) of a bf16
+/// `[rows, cols]` tensor, per shape.
+pub fn bench_quantize(device: &Device, shapes: &[(usize, usize)], reps: usize) -> Result<Vec<f64>> {
+    let dev = match device {
+        Device::Cuda(d) => d.clone(),
+        _ => bail!("bench-gemm needs a CUDA device"),
+    };
+    let mut out = Vec::new();
+    for &(r, c) in shapes {
+        let x = Tensor::randn(0f32, 1.0, (r, c), device)?.to_dtype(DType::BF16)?;
+        out.push(time_ms(&dev, 3, reps, &mut || {
+            crate::fp8::quantize(&x, crate::fp8::Fp8Format::E4M3, true).map(|_| ())
+        })?);
+    }
+    Ok(out)
+}

@@ -1,0 +1,334 @@
+//! FP8 (E4M3 / E5M2) quantization with one scale per tensor, the input side of FP8 linear layers.
+//!
+//! Current scaling: the scale comes from the tensor's own amax, so a tensor's bits depend on the
+//! tensor alone (no amax history across steps, which would make a resumed run differ from an
+//! uninterrupted one):
+//!
+//! - `amax = max |x|` (NaNs ignored), `scale = fp8_max / amax` (1 when amax is 0 or not finite),
+//! - `q = fp8(x * scale)`, rounded to nearest even and saturated to `+-fp8_max`,
+//! - `scale_inv = 1 / scale`, which a GEMM multiplies its product by.
+//!
+//! [`quantize`] runs on every device: the CPU path here is the reference, the CUDA kernels
+//! (`cuda/fp8.cu`) match it bit for bit. It also writes the transpose on request, since Hopper's
+//! FP8 GEMMs take only K-major operands: a linear layer's backward needs `W^T`, `X^T` and `dY^T`.
+//! The GEMM itself is [`crate::cuda::fp8_matmul_t`] (CUDA only).
+use candle_core::{bail, DType, Device, Result, Tensor};
+use float8::{F8E4M3, F8E5M2};
+
+/// The two FP8 formats: E4M3 (more precision, max 448: weights and activations) and E5M2 (more
+/// range, max 57344: gradients).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fp8Format {
+    E4M3,
+    E5M2,
+}
+
+impl Fp8Format {
+    /// The largest finite value.
+    pub fn max(self) -> f32 {
+        match self {
+            Fp8Format::E4M3 => 448.0,
+            Fp8Format::E5M2 => 57344.0,
+        }
+    }
+    /// The value of an FP8 bit pattern.
+    pub fn to_f32(self, bits: u8) -> f32 {
+        match self {
+            Fp8Format::E4M3 => F8E4M3::from_bits(bits).to_f32(),
+            Fp8Format::E5M2 => F8E5M2::from_bits(bits).to_f32(),
+        }
+    }
+    /// `x` rounded to nearest even, saturated to `+-max` (NaN stays NaN), as `cuda_fp8.h`'s
+    /// `__NV_SATFINITE` conversion.
+    pub fn from_f32(self, x: f32) -> u8 {
+        match self {
+            Fp8Format::E4M3 => F8E4M3::from_f32(x).to_bits(),
+            Fp8Format::E5M2 => F8E5M2::from_f32(x).to_bits(),
+        }
+    }
+}
+
+/// The scale that maps `amax` onto the format's largest value (1 for an all-zero or non-finite
+/// tensor), in f32 as the CUDA kernel computes it.
+pub fn scale_for(amax: f32, format: Fp8Format) -> f32 {
+    if amax > 0.0 && amax.is_finite() {
+        format.max() / amax
+    } else {
+        1.0
+    }
+}
+
+/// A 2-D tensor in FP8: `data` (u8 bits, `[rows_pad, cols]`), optionally `data_t`
+/// (`[cols, rows_pad]`, the transpose) and `scale_inv` (f32 `[1]`, on the same device). `rows`:
+/// the tensor's rows; the rows past it (see [`quantize_padded`]) are zeros.
+#[derive(Debug, Clone)]
+pub struct Fp8Tensor {
+    pub rows: usize,
+    pub data: Tensor,
+    pub data_t: Option<Tensor>,
+    pub scale_inv: Tensor,
+    pub format: Fp8Format,
+}
+
+impl Fp8Tensor {
+    /// The values `q * scale_inv` as f32 `[rows, cols]` (for tests and error measurements).
+    pub fn dequantize(&self) -> Result<Tensor> {
+        dequantize_bits(&self.data, &self.scale_inv, self.format)
+    }
+}
+
+/// `bits * scale_inv` as f32, for a u8 tensor of FP8 bits of `format`.
+pub fn dequantize_bits(bits: &Tensor, scale_inv: &Tensor, format: Fp8Format) -> Result<Tensor> {
+    let shape = bits.shape().clone();
+    let s = scale_inv.flatten_all()?.to_vec1::<f32>()?;
+    let [s] = s[..] else {
+        bail!("fp8 dequantize: scale_inv has {} values, not 1", s.len());
+    };
+    let vals: Vec<f32> = bits
+        .flatten_all()?
+        .to_vec1::<u8>()?
+        .into_iter()
+        .map(|b| format.to_f32(b) * s)
+        .collect();
+    Tensor::from_vec(vals, shape, &Device::Cpu)
+}
+
+/// Which bits of an [`Fp8Tensor`] a GEMM reads: the tensor as quantized, or its transpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Rows,
+    Transposed,
+}
+
+impl Fp8Tensor {
+    fn bits(&self, side: Side) -> Result<&Tensor> {
+        match side {
+            Side::Rows => Ok(&self.data),
+            Side::Transposed => match &self.data_t {
+                Some(t) => Ok(t),
+                None => bail!(
+                    "fp8: the transpose of {:?} was not made (quantize with transpose)",
+                    self.data.dims()
+                ),
+            },
+        }
+    }
+}
+
+/// `x . w^T` of FP8 operands (`x [n, k]` and `w [m, k]` as `xs` and `ws` select), times both
+/// scales: a new `[n, m]` of dtype `out` (bf16 or f32), or added to `acc` and returned (on CUDA
+/// the same buffer, written in place). On CUDA the cuBLASLt FP8 GEMM (fast accumulation if
+/// `fast`); elsewhere the f32 product of the dequantized operands, the reference.
+pub fn matmul_t(
+    x: &Fp8Tensor,
+    xs: Side,
+    w: &Fp8Tensor,
+    ws: Side,
+    acc: Option<Tensor>,
+    out: DType,
+    fast: bool,
+) -> Result<Tensor> {
+    let (xb, wb) = (x.bits(xs)?, w.bits(ws)?);
+    // x's zero padding rows (see `quantize_padded`) give zero rows of the product: a new output
+    // drops them (a view of its first rows), a sum must have them.
+    let unpad = |t: Tensor| -> Result<Tensor> {
+        match xs {
+            Side::Rows if x.rows < t.dim(0)? => t.narrow(0, 0, x.rows),
+            _ => Ok(t),
+        }
+    };
+    if let Some(a) = &acc {
+        if a.dim(0)? != xb.dim(0)? {
+            bail!(
+                "fp8 matmul_t: a sum of {:?} for an operand of {} rows (padded: {})",
+                a.dims(),
+                x.rows,
+                xb.dim(0)?
+            );
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if xb.device().is_cuda() {
+        use crate::cuda::{fp8_matmul_t, Fp8Operand};
+        let xo = Fp8Operand {
+            bits: xb,
+            scale_inv: &x.scale_inv,
+            e5m2: x.format == Fp8Format::E5M2,
+        };
+        let wo = Fp8Operand {
+            bits: wb,
+            scale_inv: &w.scale_inv,
+            e5m2: w.format == Fp8Format::E5M2,
+        };
+        let r = fp8_matmul_t(xo, wo, acc.as_ref(), out, fast)?;
+        return match (r, acc) {
+            (Some(t), _) => unpad(t),
+            (None, Some(t)) => Ok(t),
+            (None, None) => bail!("fp8 matmul_t: no output"),
+        };
+    }
+    let _ = fast;
+    let (n, k) = xb.dims2()?;
+    let (m, kw) = wb.dims2()?;
+    if k != kw {
+        bail!(
+            "fp8 matmul_t: x {:?} and w {:?} differ in their inner dimension",
+            xb.dims(),
+            wb.dims()
+        );
+    }
+    let xd = dequantize_bits(xb, &x.scale_inv, x.format)?;
+    let wd = dequantize_bits(wb, &w.scale_inv, w.format)?;
+    let p = xd.matmul(&wd.t()?)?.to_device(xb.device())?;
+    match acc {
+        Some(a) => {
+            if a.dims() != [n, m] {
+                bail!("fp8 matmul_t: the sum is {:?}, the product [{n}, {m}]", a.dims());
+            }
+            Ok((&a + p.to_dtype(a.dtype())?)?)
+        }
+        None => unpad(p.to_dtype(out)?),
+    }
+}
+
+/// Quantizes a bf16 `[rows, cols]` tensor (see the module doc); with `transpose`, also its
+/// transpose. CUDA tensors run `cuda/fp8.cu`, others the CPU reference.
+pub fn quantize(x: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Tensor> {
+    quantize_padded(x, format, transpose, 1)
+}
+
+/// [`quantize`] with the rows padded by zero rows to a multiple of `multiple` (Hopper's FP8 GEMMs
+/// need every dimension a multiple of 16, and a batch's token count is anything). The scale is
+/// the tensor's own: zeros do not move the amax.
+pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple: usize) -> Result<Fp8Tensor> {
+    let (rows, cols) = x.dims2()?;
+    if x.dtype() != DType::BF16 {
+        bail!(
+            "fp8 quantize: expected a bf16 tensor, got {:?} {:?}",
+            x.dtype(),
+            x.dims()
+        );
+    }
+    let rows_pad = rows.div_ceil(multiple.max(1)) * multiple.max(1);
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let (data, data_t, scale_inv) = crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad)?;
+        return Ok(Fp8Tensor {
+            rows,
+            data,
+            data_t,
+            scale_inv,
+            format,
+        });
+    }
+    let v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let amax = v.iter().fold(0f32, |m, &a| m.max(a.abs()));
+    let scale = scale_for(amax, format);
+    let mut q: Vec<u8> = v.iter().map(|&a| format.from_f32(a * scale)).collect();
+    q.resize(rows_pad * cols, 0);
+    let data_t = if transpose {
+        let mut t = vec![0u8; q.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows_pad + r] = q[r * cols + c];
+            }
+        }
+        Some(Tensor::from_vec(t, (cols, rows_pad), x.device())?)
+    } else {
+        None
+    };
+    Ok(Fp8Tensor {
+        rows,
+        data: Tensor::from_vec(q, (rows_pad, cols), x.device())?,
+        data_t,
+        scale_inv: Tensor::from_vec(vec![1.0 / scale], 1, x.device())?,
+        format,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn format_limits_round_to_nearest_even_and_saturation() {
+        for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            assert_eq!(f.to_f32(f.from_f32(f.max())), f.max());
+            assert_eq!(f.to_f32(f.from_f32(1e9)), f.max(), "{f:?} saturates");
+            assert_eq!(f.to_f32(f.from_f32(-1e9)), -f.max());
+            assert!(f.to_f32(f.from_f32(f32::NAN)).is_nan());
+            assert_eq!(f.to_f32(f.from_f32(0.0)), 0.0);
+        }
+        // E4M3 has 3 mantissa bits: 1 + 1/16 is halfway between 1 and 1.125 and rounds to even (1);
+        // 1 + 3/16 between 1.125 and 1.25 rounds to 1.25.
+        assert_eq!(Fp8Format::E4M3.to_f32(Fp8Format::E4M3.from_f32(1.0625)), 1.0);
+        assert_eq!(Fp8Format::E4M3.to_f32(Fp8Format::E4M3.from_f32(1.1875)), 1.25);
+        // E5M2 has 2: 1 + 1/8 rounds to 1, 1 + 3/8 to 1.5.
+        assert_eq!(Fp8Format::E5M2.to_f32(Fp8Format::E5M2.from_f32(1.125)), 1.0);
+        assert_eq!(Fp8Format::E5M2.to_f32(Fp8Format::E5M2.from_f32(1.375)), 1.5);
+    }
+
+    #[test]
+    fn quantize_maps_amax_to_the_format_max_and_round_trips_within_half_an_ulp() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (37, 70), &dev).unwrap();
+        // One outlier sets the scale.
+        let x = x
+            .slice_assign(&[3..4, 5..6], &Tensor::full(-9.5f32, (1, 1), &dev).unwrap())
+            .unwrap();
+        let xb = x.to_dtype(DType::BF16).unwrap();
+        let xf = xb
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for f in [Fp8Format::E4M3, Fp8Format::E5M2] {
+            let q = quantize(&xb, f, true).unwrap();
+            let s = q.scale_inv.to_vec1::<f32>().unwrap()[0];
+            assert_eq!(s, 1.0 / (f.max() / 9.5));
+            let d = q.dequantize().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            // The outlier lands on the format's max exactly.
+            assert_eq!(d[3 * 70 + 5], -9.5);
+            let mant = if f == Fp8Format::E4M3 { 3 } else { 2 };
+            for (a, b) in xf.iter().zip(&d) {
+                // Normal range: relative error at most half an ulp, 2^-(mant+1).
+                if a.abs() * (f.max() / 9.5) >= 2f32.powi(if f == Fp8Format::E4M3 { -6 } else { -14 }) {
+                    assert!(
+                        ((a - b) / a).abs() <= 2f32.powi(-(mant + 1)) * 1.0001,
+                        "{f:?} {a} -> {b}"
+                    );
+                }
+            }
+            let t = q.data_t.unwrap().to_vec2::<u8>().unwrap();
+            let n = q.data.to_vec2::<u8>().unwrap();
+            for (r, row) in n.iter().enumerate() {
+                for (c, &b) in row.iter().enumerate() {
+                    assert_eq!(t[c][r], b);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_all_zero_tensor_gets_scale_one_and_bad_input_is_refused() {
+        let z = Tensor::zeros((4, 6), DType::BF16, &Device::Cpu).unwrap();
+        let q = quantize(&z, Fp8Format::E4M3, false).unwrap();
+        assert_eq!(q.scale_inv.to_vec1::<f32>().unwrap(), [1.0]);
+        assert!(q.data_t.is_none());
+        assert!(q
+            .data
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<u8>()
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+        let f = Tensor::zeros((4, 6), DType::F32, &Device::Cpu).unwrap();
+        let e = quantize(&f, Fp8Format::E4M3, false).unwrap_err().to_string();
+        assert!(e.contains("bf16"), "{e}");
+        let v = Tensor::zeros(6, DType::BF16, &Device::Cpu).unwrap();
+        assert!(quantize(&v, Fp8Format::E4M3, false).is_err());
+    }
+}
