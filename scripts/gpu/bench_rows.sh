@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21's table, one command per row, on a fresh GPU machine:
 #
-#   scripts/gpu/bench_rows.sh ROW [OUT_DIR]        ROW = 4b | 4b-256k | 0.6b | 4b-ragged | 4b-recompute | 8b
+#   scripts/gpu/bench_rows.sh ROW [OUT_DIR]        ROW = 4b | 4b-256k | 0.6b | 4b-ragged | 4b-recompute | 8b | 4b-fp8
 #
 # Every row is the bench-step optimizer step of scripts/gpu/bench_train.sh (random-init Qwen3
 # release shapes, bf16 compute, fp32 master weights + AdamW, clipping at 1.0, s = 4096):
@@ -24,6 +24,9 @@
 #   8b            Qwen3-8B, 8192 tokens per step, no recompute then full recompute: recorded,
 #                 whichever fits one H200 (AdamW's fp32 master weights and moments are 12 bytes a
 #                 parameter, 98 GB for 8.2 B).
+#   4b-fp8        Qwen3-4B, 8192 tokens per step, no recompute: the blocks' linear layers in FP8
+#                 (--fp8-format hybrid --fp8-recipe tensorwise) against bf16 in the same run.
+#                 Stretch goal >= 25,000 tokens/s; its log-prob error is scripts/gpu/fp8_error.sh.
 # Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT}. Settings: STEPS (default 10; 3 for
 # 4b-256k), WARMUP (default 2; 1 for 4b-256k), TIMEOUT per contender (default 300).
 # Ends with `BENCH_ROW <row> VERDICT: ...: PASS|FAIL|RECORDED`; exit status 0 on PASS or RECORDED.
@@ -99,5 +102,15 @@ case $ROW in
     errors
     verdict "$ROW" "qwen3-8b s=4096 8192 tokens/step on one GPU: no recompute $(printf %.0f "$n") tokens/s (peak $(printf %.1f "$pn") GiB), full recompute $(printf %.0f "$f") tokens/s (peak $(printf %.1f "$pf") GiB); 0 = did not fit or failed, see the ERROR lines" RECORDED
     ;;
-  *) echo "bench_rows.sh: unknown row $ROW (4b, 4b-256k, 0.6b, 4b-ragged, 4b-recompute, 8b)" >&2; exit 2 ;;
+  4b-fp8)
+    MODELS=qwen3-4b RECOMPUTES=none SYSTEMS=vime train
+    RESULTS_DIR=$RESULTS_DIR/fp8 VIME_FLAGS="--fp8-format hybrid --fp8-recipe tensorwise" MODELS=qwen3-4b \
+      RECOMPUTES=none SYSTEMS=vime train
+    b=$(field vime-qwen3-4b-4096-none tokens_per_s)
+    f=$(RESULTS_DIR=$RESULTS_DIR/fp8 field vime-qwen3-4b-4096-none tokens_per_s)
+    r=$(ratio "$f" "$b"); errors
+    verdict "$ROW" "qwen3-4b s=4096 8192 tokens/step: FP8 (hybrid, tensorwise) $(printf %.0f "$f") tokens/s, bf16 $(printf %.0f "$b"), fp8/bf16 = ${r}x (stretch goal >= 25000; the log-prob error: scripts/gpu/fp8_error.sh)" \
+      "$([ "$(ge "$f" 25000)" = 1 ] && echo PASS || echo FAIL)"
+    ;;
+  *) echo "bench_rows.sh: unknown row $ROW (4b, 4b-256k, 0.6b, 4b-ragged, 4b-recompute, 8b, 4b-fp8)" >&2; exit 2 ;;
 esac

@@ -127,7 +127,7 @@ def compare(args):
     ref = hf_run(model_dir, torch.float32, batch)
     hfb = hf_run(model_dir, torch.bfloat16, batch)
     hf_secs = time.time() - t
-    v = load_file(os.path.join(args.dir, "vime.safetensors"), device=DEVICE)
+    v = load_file(os.path.join(args.dir, args.vime), device=DEVICE)
     vg = {k[5:]: t for k, t in v.items() if k.startswith("grad.")}
     missing = sorted(set(ref["grads"]) - set(vg))
     extra = sorted(set(vg) - set(ref["grads"]))
@@ -156,7 +156,8 @@ def compare(args):
     print(f"{'objective':<12} {obj[0]:>20.3e} {obj[1]:>22.3e}")
     print(f"worst single-tensor gradient rel err: HF-bf16 {gb_worst:.3e}, vime-bf16 {gv_worst:.3e}")
     summary = {k: {"hf_bf16": b, "vime_bf16": vv} for k, (b, vv) in res.items()}
-    with open(os.path.join(args.dir, "parity.json"), "w") as f:
+    name = "parity.json" if args.vime == "vime.safetensors" else args.vime.replace(".safetensors", "-parity.json")
+    with open(os.path.join(args.dir, name), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"VERDICT: {'PASS' if ok else 'FAIL'} (vime-bf16 error <= 1.5x HF-bf16 error for log-probs and gradients)")
     sys.exit(0 if ok else 1)
@@ -172,6 +173,8 @@ def main():
     m.add_argument("--seq-lens", default="1024,768,256")
     c = sub.add_parser("compare")
     c.add_argument("--dir", required=True)
+    c.add_argument("--vime", default="vime.safetensors",
+                   help="vime's output in --dir to compare (default vime.safetensors; fp8_error.sh passes the FP8 run's)")
     args = ap.parse_args()
     make(args) if args.cmd == "make" else compare(args)
 

@@ -80,6 +80,8 @@ pub struct BenchArgs {
     /// (cuDNN's attention backward).
     #[arg(long)]
     pub deterministic_mode: bool,
+    #[command(flatten)]
+    pub fp8: crate::device::Fp8Args,
     /// equal: every micro-batch is `--max-tokens-per-gpu` tokens of `--seq-len`-token sequences.
     /// ragged: an RL step's shape, `--samples` samples per optimizer step, each a prompt of
     /// 64-511 tokens (uniform) and a response whose length is log-normal (median
@@ -278,7 +280,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         &args.attention_backend,
         args.deterministic_mode,
         vime_kernels::CudnnFailure::Fallback,
-    )?;
+    )?
+    .with_fp8(args.fp8.enabled()?);
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -443,6 +446,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "recompute": args.recompute,
         "attention": if device.is_cuda() { model.kernel_config().attention_kernel() } else { "cpu" },
         "deterministic_mode": args.deterministic_mode,
+        "fp8": args.fp8.fp8_format.as_ref().map(|f| format!("{f} {}", args.fp8.fp8_recipe)),
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,
         "seq_len": args.seq_len,
@@ -642,6 +646,7 @@ mod tests {
             compare_backward: false,
             attention_backend: "auto".into(),
             deterministic_mode: false,
+            fp8: Default::default(),
             lengths: "equal".into(),
             samples: 64,
             response_median: 1024,

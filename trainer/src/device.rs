@@ -36,6 +36,42 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
+/// Megatron's FP8 flags. vime runs the decoder blocks' seven linear layers in FP8 with
+/// `--fp8-format hybrid --fp8-recipe tensorwise` (`vime_kernels::fp8`): E4M3 weights and
+/// activations, E5M2 gradients, one scale per tensor from its own amax, on CUDA bf16 models. The
+/// LM head, embeddings, norms and attention stay bf16; master weights and moments stay f32.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct Fp8Args {
+    /// Megatron's flag: hybrid (E4M3 forward, E5M2 gradients) turns FP8 on; e4m3 (E4M3 for the
+    /// gradients too) is refused.
+    #[arg(long)]
+    pub fp8_format: Option<String>,
+    /// Megatron's flag: tensorwise (current per-tensor scaling), the only recipe vime has.
+    #[arg(long, default_value = "tensorwise")]
+    pub fp8_recipe: String,
+}
+
+impl Fp8Args {
+    /// Whether the flags turn FP8 on; an error for a format or recipe vime does not have.
+    pub fn enabled(&self) -> Result<bool> {
+        match self.fp8_format.as_deref() {
+            None => Ok(false),
+            Some("hybrid") => match self.fp8_recipe.as_str() {
+                "tensorwise" => Ok(true),
+                r => bail!(
+                    "--fp8-recipe {r:?}: vime has only tensorwise (one scale per tensor from its current amax, \
+                     so a resumed run gets the same bits); delayed, mxfp8 and blockwise are not implemented"
+                ),
+            },
+            Some("e4m3") => bail!(
+                "--fp8-format e4m3: not implemented; pass --fp8-format hybrid (E4M3 weights and activations, E5M2 \
+                 gradients)"
+            ),
+            Some(f) => bail!("--fp8-format {f:?}: expected hybrid (or e4m3, which vime does not have)"),
+        }
+    }
+}
+
 /// The kernel config of `--attention-backend` and `--deterministic-mode` for the model(s) of this
 /// process, with what a cuDNN failure does: `Fallback` (one process: report it, then the flash
 /// kernel) or `Error` (several ranks: no rank may switch kernels alone).

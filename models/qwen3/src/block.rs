@@ -51,6 +51,7 @@ use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use vime_dist::{Collectives, ReduceOp};
+use vime_kernels::fp8::{self, Fp8Format, Fp8Tensor, Side};
 use vime_kernels::{
     matmul_acc, rms_norm, rms_norm_backward, rms_norm_backward_add, rope, rope_backward, swiglu, swiglu_backward,
     varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
@@ -269,6 +270,7 @@ pub(crate) struct Saved {
     gate: Tensor,
     up: Tensor,
     act: Tensor,
+    fp8: Option<SavedFp8>,
 }
 
 fn dw(v: &Var) -> Tensor {
@@ -283,6 +285,76 @@ pub(crate) fn linear(kernels: &KernelConfig, x: &Tensor, weight: &Var, bias: Opt
         Some(b) => y.broadcast_add(&dw(b))?,
         None => y,
     })
+}
+
+/// The FP8 operands of a block's weight gradients (`KernelConfig::fp8`), kept by the forward:
+/// the inputs of q/k/v (h1), o (the attention output), gate/up (h2) and down (the SwiGLU
+/// output), each quantized once with its transpose, which the weight-gradient GEMM reads.
+pub(crate) struct SavedFp8 {
+    h1: Fp8Tensor,
+    a2: Fp8Tensor,
+    h2: Fp8Tensor,
+    act: Fp8Tensor,
+}
+
+/// Rows of every FP8 operand are padded to this (Hopper's FP8 GEMMs need dimensions of 16).
+const FP8_ROWS: usize = 16;
+
+/// An activation (E4M3) or gradient (E5M2) as an FP8 GEMM operand, its token rows padded to
+/// [`FP8_ROWS`]; `transpose` when a weight gradient will read it.
+fn fp8_of(t: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Tensor> {
+    fp8_quantized(t, format, transpose, FP8_ROWS)
+}
+
+/// A weight (E4M3) as an FP8 GEMM operand: its rows are output features, never padded (an FP8
+/// GEMM on CUDA needs them a multiple of 16, which every Qwen3 release shape is).
+fn fp8_weight(w: &Var, transpose: bool) -> Result<Fp8Tensor> {
+    fp8_quantized(&dw(w), Fp8Format::E4M3, transpose, 1)
+}
+
+fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) -> Result<Fp8Tensor> {
+    if t.dtype() != candle_core::DType::BF16 {
+        bail!(
+            "--fp8-format runs on bf16 models (--dtype bf16); this one is {:?}",
+            t.dtype()
+        );
+    }
+    Ok(fp8::quantize_padded(t, format, transpose, rows)?)
+}
+
+/// `xq · W^T (+ b)` in FP8 (E4M3 weight quantized here; fast accumulation, as Transformer
+/// Engine runs the forward), bf16 out.
+fn linear_fp8(xq: &Fp8Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor> {
+    let wq = fp8_weight(weight, false)?;
+    let y = fp8::matmul_t(xq, Side::Rows, &wq, Side::Rows, None, candle_core::DType::BF16, true)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(&dw(b))?,
+        None => y,
+    })
+}
+
+/// [`linear`] for a scoring pass: in FP8 under `KernelConfig::fp8` (the input quantized here),
+/// so that scoring runs the training forward's arithmetic.
+fn linear_scoring(kernels: &KernelConfig, x: &Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor> {
+    if kernels.fp8() {
+        linear_fp8(&fp8_of(x, Fp8Format::E4M3, false)?, weight, bias)
+    } else {
+        linear(kernels, x, weight, bias)
+    }
+}
+
+/// `dyq · W` in FP8 (the input gradient: the weight's transpose quantized here), bf16 out.
+fn dgrad_fp8(dyq: &Fp8Tensor, weight: &Var) -> Result<Tensor> {
+    let wq = fp8_weight(weight, true)?;
+    Ok(fp8::matmul_t(
+        dyq,
+        Side::Rows,
+        &wq,
+        Side::Transposed,
+        None,
+        candle_core::DType::BF16,
+        false,
+    )?)
 }
 
 /// The sum of a partial result over the tensor-parallel group (nothing at all at TP = 1: no copy).
@@ -363,6 +435,24 @@ fn put_wgrad(grads: &mut BTreeMap<String, Tensor>, name: String, dy: &Tensor, x:
     Ok(())
 }
 
+/// [`put_wgrad`] in FP8: `dyq^T xq` (both transposes) in f32, added by the GEMM to the running
+/// sum if there is one.
+fn put_wgrad_fp8(grads: &mut BTreeMap<String, Tensor>, name: String, dyq: &Fp8Tensor, xq: &Fp8Tensor) -> Result<()> {
+    let prev = grads.remove(&name);
+    let g = fp8::matmul_t(
+        dyq,
+        Side::Transposed,
+        xq,
+        Side::Transposed,
+        prev,
+        candle_core::DType::F32,
+        false,
+    )
+    .map_err(|e| anyhow::anyhow!("gradient of {name}: {e}"))?;
+    grads.insert(name, g);
+    Ok(())
+}
+
 impl Block {
     /// The forward of a scoring pass in query chunks of `chunk` tokens (TP 1, nothing saved):
     /// the roped keys and the values of every token first (GQA keeps them small), then each
@@ -382,8 +472,8 @@ impl Block {
         let t = x.dim(0)?;
         let chunk = chunk.max(1);
         let h1 = rms_norm(x, &dw(&self.input_norm), eps)?;
-        let k = linear(&ctx.kernels, &h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let v = linear(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let k = linear_scoring(&ctx.kernels, &h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let v = linear_scoring(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
         drop(k);
         let mut outs = Vec::with_capacity(t.div_ceil(chunk));
@@ -392,11 +482,8 @@ impl Block {
             let b = (a + chunk).min(t);
             let n = b - a;
             let pos: Arc<[u32]> = positions[a..b].into();
-            let q = linear(&ctx.kernels, &h1.narrow(0, a, n)?, &self.q_proj, self.q_bias.as_ref())?.reshape((
-                n,
-                ctx.q_heads,
-                d,
-            ))?;
+            let q = linear_scoring(&ctx.kernels, &h1.narrow(0, a, n)?, &self.q_proj, self.q_bias.as_ref())?
+                .reshape((n, ctx.q_heads, d))?;
             let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, &pos, ctx.rope_theta)?;
             drop(q);
             // Each sequence overlapping [a, b): its queries there, its keys from its start to b.
@@ -417,19 +504,19 @@ impl Block {
             let (kc, vc) = (kr.index_select(&index, 0)?, v.index_select(&index, 0)?);
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));
-            let o = linear(&ctx.kernels, &attn.reshape((n, ctx.q_heads * d))?, &self.o_proj, None)?;
+            let o = linear_scoring(&ctx.kernels, &attn.reshape((n, ctx.q_heads * d))?, &self.o_proj, None)?;
             let o = match &self.o_bias {
                 Some(bias) => o.broadcast_add(&dw(bias))?,
                 None => o,
             };
             let (x2, h2) = vime_kernels::add_rms_norm(&x.narrow(0, a, n)?, &o, &dw(&self.post_norm), eps)?;
             let act = swiglu(
-                &linear(&ctx.kernels, &h2, &self.gate_proj, None)?,
-                &linear(&ctx.kernels, &h2, &self.up_proj, None)?,
+                &linear_scoring(&ctx.kernels, &h2, &self.gate_proj, None)?,
+                &linear_scoring(&ctx.kernels, &h2, &self.up_proj, None)?,
             )?;
             outs.push(vime_kernels::add(
                 &x2,
-                &linear(&ctx.kernels, &act, &self.down_proj, None)?,
+                &linear_scoring(&ctx.kernels, &act, &self.down_proj, None)?,
             )?);
             a = b;
         }
@@ -467,6 +554,18 @@ impl Block {
             _ => None,
         };
         let fused = decode_rows.and_then(|rows| rows.fused_layer(self.index));
+        // FP8 linear layers (training and scoring, not decoding): each input quantized once, with
+        // its transpose when the backward will read it.
+        let fp8 = ctx.kernels.fp8() && decode_rows.is_none();
+        let keep_t = keep == Keep::All;
+        let quant = |x: &Tensor| -> Result<Option<Fp8Tensor>> {
+            if fp8 {
+                Ok(Some(fp8_of(x, Fp8Format::E4M3, keep_t)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let h1q = if fused.is_none() { quant(&h1)? } else { None };
         let (q, k, v) = if let Some((wqkv, _)) = fused {
             let (hq, hkv) = (ctx.q_heads, ctx.kv_heads);
             let qkv = h1.matmul(&wqkv.t()?)?.reshape((t, hq + 2 * hkv, d))?;
@@ -474,6 +573,12 @@ impl Block {
                 qkv.narrow(1, 0, hq)?,
                 qkv.narrow(1, hq, hkv)?,
                 qkv.narrow(1, hq + hkv, hkv)?,
+            )
+        } else if let Some(h1q) = &h1q {
+            (
+                linear_fp8(h1q, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
+                linear_fp8(h1q, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                linear_fp8(h1q, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
             )
         } else {
             // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
@@ -505,7 +610,12 @@ impl Block {
         };
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
-        let o = sp_reduce(ctx, tp, linear(&ctx.kernels, &a2, &self.o_proj, None)?)?;
+        let a2q = quant(&a2)?;
+        let o = match &a2q {
+            Some(q) => linear_fp8(q, &self.o_proj, None)?,
+            None => linear(&ctx.kernels, &a2, &self.o_proj, None)?,
+        };
+        let o = sp_reduce(ctx, tp, o)?;
         let o = match &self.o_bias {
             Some(b) => o.broadcast_add(&dw(b))?,
             None => o,
@@ -528,14 +638,25 @@ impl Block {
             return Ok((y, Kept::Nothing));
         }
         // Column-parallel gate/up (this rank's share of the intermediate size).
-        let gate = linear(&ctx.kernels, &h2, &self.gate_proj, None)?;
-        let up = linear(&ctx.kernels, &h2, &self.up_proj, None)?;
+        let h2q = quant(&h2)?;
+        let (gate, up) = match &h2q {
+            Some(q) => (
+                linear_fp8(q, &self.gate_proj, None)?,
+                linear_fp8(q, &self.up_proj, None)?,
+            ),
+            None => (
+                linear(&ctx.kernels, &h2, &self.gate_proj, None)?,
+                linear(&ctx.kernels, &h2, &self.up_proj, None)?,
+            ),
+        };
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
-        let y = vime_kernels::add(
-            &x2,
-            &sp_reduce(ctx, tp, linear(&ctx.kernels, &act, &self.down_proj, None)?)?,
-        )?;
+        let actq = quant(&act)?;
+        let down = match &actq {
+            Some(q) => linear_fp8(q, &self.down_proj, None)?,
+            None => linear(&ctx.kernels, &act, &self.down_proj, None)?,
+        };
+        let y = vime_kernels::add(&x2, &sp_reduce(ctx, tp, down)?)?;
         let attn_saved = match (keep, attn_saved) {
             (Keep::Nothing, _) => return Ok((y, Kept::Nothing)),
             (Keep::Attention, Some(saved)) => return Ok((y, Kept::Attention(KeptAttention { attn, saved }))),
@@ -558,6 +679,10 @@ impl Block {
             gate,
             up,
             act,
+            fp8: match (h1q, a2q, h2q, actq) {
+                (Some(h1), Some(a2), Some(h2), Some(act)) => Some(SavedFp8 { h1, a2, h2, act }),
+                _ => None,
+            },
         };
         Ok((y, Kept::All(Box::new(saved))))
     }
@@ -576,17 +701,32 @@ impl Block {
         tp: &dyn Collectives,
         attention: &Attention<'_>,
     ) -> Result<Tensor> {
-        let (nh, nkv, d, eps) = (ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.eps);
-        let t = s.qr.dim(0)?;
         let i = self.index;
         let name = |p: &str| format!("model.layers.{i}.{p}");
         // dW = dY^T X in the weight's own [out, in] layout, in f32 (f64 models: f64), added by
         // its GEMM to the sum already in `grads` (earlier micro-batches) if there is one.
-        let bgrad = |dy2: &Tensor| -> Result<Tensor> { Ok(dy2.sum(0)?) };
-
+        if ctx.kernels.fp8() && s.fp8.is_none() {
+            bail!("layer {i}: the FP8 backward needs the FP8 operands of its forward, which kept none");
+        }
         // MLP.
-        let h2 = &sp_gather(ctx, tp, s.h2.clone())?;
         let dy_all = sp_gather(ctx, tp, dy.clone())?;
+        if let Some(f) = s.fp8.as_ref().filter(|_| ctx.kernels.fp8()) {
+            let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
+            put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
+            let ds = dgrad_fp8(&dyq, &self.down_proj)?;
+            drop((dyq, dy_all));
+            let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
+            drop(ds);
+            let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
+            drop((dg, du));
+            let dh2 = vime_kernels::add(&dgrad_fp8(&dgq, &self.gate_proj)?, &dgrad_fp8(&duq, &self.up_proj)?)?;
+            let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
+                put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
+                put_wgrad_fp8(grads, name("mlp.up_proj.weight"), &duq, &f.h2)
+            })?;
+            return self.backward_attention(ctx, s, dy, dh2, grads, tp, attention);
+        }
+        let h2 = &sp_gather(ctx, tp, s.h2.clone())?;
         put_wgrad(grads, name("mlp.down_proj.weight"), &dy_all, &s.act)?;
         let ds = dy_all.matmul(&dw(&self.down_proj))?;
         drop(dy_all);
@@ -600,6 +740,28 @@ impl Block {
             put_wgrad(grads, name("mlp.up_proj.weight"), &du, h2)
         })?;
         drop((dg, du));
+        self.backward_attention(ctx, s, dy, dh2, grads, tp, attention)
+    }
+
+    /// The backward from the post-attention norm down: `dh2` is the gradient of the MLP's input
+    /// (summed over TP), `dy` the block output's.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_attention(
+        &self,
+        ctx: &BlockCtx,
+        s: Saved,
+        dy: &Tensor,
+        dh2: Tensor,
+        grads: &mut BTreeMap<String, Tensor>,
+        tp: &dyn Collectives,
+        attention: &Attention<'_>,
+    ) -> Result<Tensor> {
+        let (nh, nkv, d, eps) = (ctx.q_heads, ctx.kv_heads, ctx.head_dim, ctx.eps);
+        let t = s.qr.dim(0)?;
+        let i = self.index;
+        let name = |p: &str| format!("model.layers.{i}.{p}");
+        let bgrad = |dy2: &Tensor| -> Result<Tensor> { Ok(dy2.sum(0)?) };
+        let f8 = s.fp8.as_ref().filter(|_| ctx.kernels.fp8());
         // dx2 = dy + rms'(x2; dh2): the skip connection's gradient added in the norm's pass.
         let (dx2, dwpost) = rms_norm_backward_add(&s.x2, &dw(&self.post_norm), eps, &dh2, dy)?;
         put(
@@ -611,11 +773,21 @@ impl Block {
         // Attention output projection.
         let a2 = s.attn.reshape((t, nh * d))?;
         let dx2_all = sp_gather(ctx, tp, dx2.clone())?;
-        put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
         if self.o_bias.is_some() {
             put(grads, name("self_attn.o_proj.bias"), sp_partial(ctx, tp, bgrad(&dx2)?)?)?;
         }
-        let da = dx2_all.matmul(&dw(&self.o_proj))?.reshape((t, nh, d))?;
+        let da = match f8 {
+            Some(f) => {
+                let dq = fp8_of(&dx2_all, Fp8Format::E5M2, true)?;
+                put_wgrad_fp8(grads, name("self_attn.o_proj.weight"), &dq, &f.a2)?;
+                dgrad_fp8(&dq, &self.o_proj)?
+            }
+            None => {
+                put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
+                dx2_all.matmul(&dw(&self.o_proj))?
+            }
+        };
+        let da = da.reshape((t, nh, d))?;
         drop(dx2_all);
         let (dqr, dkr, dv) = match attention {
             // The prefix keys are gathered again (not saved); their gradients go back to the
@@ -654,12 +826,35 @@ impl Block {
         let h1 = &sp_gather(ctx, tp, s.h1.clone())?;
         // The input gradient first; its reduction runs while q's, k's and v's weight (and bias)
         // gradients are computed.
-        let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
-        let dh1 = matmul_acc(dh1, &dv, &dw(&self.v_proj))?;
+        let qkv8 = match f8 {
+            Some(f) => Some((
+                f,
+                fp8_of(&dq, Fp8Format::E5M2, true)?,
+                fp8_of(&dk, Fp8Format::E5M2, true)?,
+                fp8_of(&dv, Fp8Format::E5M2, true)?,
+            )),
+            None => None,
+        };
+        let dh1 = match &qkv8 {
+            Some((_, q8, k8, v8)) => {
+                let a = vime_kernels::add(&dgrad_fp8(q8, &self.q_proj)?, &dgrad_fp8(k8, &self.k_proj)?)?;
+                vime_kernels::add(&a, &dgrad_fp8(v8, &self.v_proj)?)?
+            }
+            None => {
+                let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
+                matmul_acc(dh1, &dv, &dw(&self.v_proj))?
+            }
+        };
         let dh1 = sp_reduce_while(ctx, tp, dh1, &mut || {
-            put_wgrad(grads, name("self_attn.q_proj.weight"), &dq, h1)?;
-            put_wgrad(grads, name("self_attn.k_proj.weight"), &dk, h1)?;
-            put_wgrad(grads, name("self_attn.v_proj.weight"), &dv, h1)?;
+            if let Some((f, q8, k8, v8)) = &qkv8 {
+                put_wgrad_fp8(grads, name("self_attn.q_proj.weight"), q8, &f.h1)?;
+                put_wgrad_fp8(grads, name("self_attn.k_proj.weight"), k8, &f.h1)?;
+                put_wgrad_fp8(grads, name("self_attn.v_proj.weight"), v8, &f.h1)?;
+            } else {
+                put_wgrad(grads, name("self_attn.q_proj.weight"), &dq, h1)?;
+                put_wgrad(grads, name("self_attn.k_proj.weight"), &dk, h1)?;
+                put_wgrad(grads, name("self_attn.v_proj.weight"), &dv, h1)?;
+            }
             for (b, g, n) in [
                 (&self.q_bias, &dq, "q"),
                 (&self.k_bias, &dk, "k"),

@@ -84,6 +84,8 @@ enum Cmd {
         /// none or full.
         #[arg(long, default_value = "full")]
         recompute: String,
+        #[command(flatten)]
+        fp8: vime_trainer::device::Fp8Args,
     },
 }
 
@@ -217,12 +219,17 @@ fn run(cli: Cli) -> Result<i32> {
             dtype,
             device,
             recompute,
+            fp8,
         }) => {
             let device = parse_device(&device)?;
             let dtype = parse_dtype(&dtype)?;
             let t0 = std::time::Instant::now();
-            let model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
+            let mut model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
                 .with_context(|| format!("loading the checkpoint {}", hf_checkpoint.display()))?;
+            if fp8.enabled()? {
+                let k = model.kernel_config().clone().with_fp8(true);
+                model.set_kernel_config(k);
+            }
             device.synchronize()?;
             let loaded = t0.elapsed().as_secs_f64();
             let t1 = std::time::Instant::now();

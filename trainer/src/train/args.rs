@@ -73,6 +73,8 @@ pub struct TrainArgs {
     /// bit for bit (at TP 1 and CP 1). Costs training-forward and decoding speed.
     #[arg(long)]
     pub true_on_policy_mode: bool,
+    #[command(flatten)]
+    pub fp8: crate::device::Fp8Args,
     /// Megatron's seed: rollout sampling, eval sampling and the critic head's init derive from it.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,

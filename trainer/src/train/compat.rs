@@ -167,7 +167,7 @@ pub const COMPAT: &[CompatFlag] = &[
     f("--overlap-cpu-optimizer-d2h-h2d", Switch, Refused, Any, "the optimizer state stays on the GPU (no CPU offload)"),
     f("--use-precision-aware-optimizer", Switch, Refused, Any, "the optimizer keeps f32 master weights and moments (no reduced-precision state)"),
     f("--recompute-modules", One, Refused, Any, "vime's recompute is per layer (--recompute-granularity full); --recompute-keep-attention keeps attention instead of recomputing it"),
-    f("--fp8", One, Refused, Any, "vime trains in bf16 with f32 master weights; FP8 linear layers are not implemented"),
+    f("--fp8", One, Refused, Any, "Megatron spells it --fp8-format: pass --fp8-format hybrid (E4M3 weights and activations, E5M2 gradients; --fp8-recipe tensorwise)"),
     f("--fp16", Switch, Refused, Any, "vime trains in bf16 (or f32 on the CPU); pass --dtype f16 for f16 compute"),
 ];
 

@@ -287,7 +287,8 @@ impl<'a> Run<'a> {
         };
         let kernels =
             crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode, on_cudnn_failure)?
-                .with_batch_invariant(args.true_on_policy_mode);
+                .with_batch_invariant(args.true_on_policy_mode)
+                .with_fp8(args.fp8.enabled()?);
         if args.true_on_policy_mode && world.rank() == 0 {
             let d = world.dims();
             if d.tp > 1 || d.cp > 1 || args.rollout_engine != "embedded" {
