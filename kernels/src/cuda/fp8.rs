@@ -129,7 +129,10 @@ impl Drop for Fp8Plan {
 impl Fp8Plan {
     /// Descriptors and up to `algos` heuristic algorithms for `shape`; an error names the shape
     /// when cuBLASLt supports none (FP8 needs m, n, k multiples of 16, and not both E5M2).
-    pub fn new(handle: lt_sys::cublasLtHandle_t, shape: Fp8Shape, algos: usize) -> Result<Self> {
+    ///
+    /// # Safety
+    /// `handle` must be a live cuBLASLt handle.
+    pub unsafe fn new(handle: lt_sys::cublasLtHandle_t, shape: Fp8Shape, algos: usize) -> Result<Self> {
         let Fp8Shape { m, n, k, .. } = shape;
         if m % 16 != 0 || n % 16 != 0 || k % 16 != 0 {
             bail!("FP8 GEMM {m} x {n} x {k}: every dimension must be a multiple of 16");
@@ -425,7 +428,8 @@ pub fn fp8_matmul_t(
     let plan = match ctx.plans.iter().position(|p| p.shape == shape) {
         Some(i) => &ctx.plans[i],
         None => {
-            let p = Fp8Plan::new(ctx.handle, shape, 1)?;
+            // Safety: the context's handle lives as long as the context.
+            let p = unsafe { Fp8Plan::new(ctx.handle, shape, 1)? };
             ctx.plans.push(p);
             ctx.plans.last().expect("just pushed")
         }

@@ -321,7 +321,8 @@ pub fn bench_fp8(device: &Device, cases: &[GemmCase], algos: usize, reps: usize)
                 tensor_addr::<f32>(&b.scale_inv, "b scale")?,
             );
             // A shape cuBLASLt cannot run in FP8 gets no timings (and says why), not an abort.
-            let plan = match super::Fp8Plan::new(handle, s, algos) {
+            // Safety: the handle is destroyed only after this loop.
+            let plan = match unsafe { super::Fp8Plan::new(handle, s, algos) } {
                 Ok(p) => p,
                 Err(e) => {
                     eprintln!("bench-gemm: {}: {e}", case.name);
