@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21's table, one command per row, on a fresh GPU machine:
 #
-#   scripts/gpu/bench_rows.sh ROW [OUT_DIR]        ROW = 4b | 4b-256k | 0.6b | 4b-ragged | 4b-recompute | 8b | 4b-fp8
+#   scripts/gpu/bench_rows.sh ROW [OUT_DIR]        ROW = 4b | 4b-256k | 0.6b | 4b-ragged | 4b-recompute | 8b | 4b-fp8 | 4b-256k-fp8
 #
 # Every row is the bench-step optimizer step of scripts/gpu/bench_train.sh (random-init Qwen3
 # release shapes, bf16 compute, fp32 master weights + AdamW, clipping at 1.0, s = 4096):
@@ -27,6 +27,7 @@
 #   4b-fp8        Qwen3-4B, 8192 tokens per step, no recompute: the blocks' linear layers in FP8
 #                 (--fp8-format hybrid --fp8-recipe tensorwise) against bf16 in the same run.
 #                 Stretch goal >= 25,000 tokens/s; its log-prob error is scripts/gpu/fp8_error.sh.
+#   4b-256k-fp8   The 4b-256k row with FP8 linear layers (each weight quantized once a step).
 # Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT}. Settings: STEPS (default 10; 3 for
 # 4b-256k), WARMUP (default 2; 1 for 4b-256k), TIMEOUT per contender (default 300).
 # Ends with `BENCH_ROW <row> VERDICT: ...: PASS|FAIL|RECORDED`; exit status 0 on PASS or RECORDED.
@@ -112,5 +113,12 @@ case $ROW in
     verdict "$ROW" "qwen3-4b s=4096 8192 tokens/step: FP8 (hybrid, tensorwise) $(printf %.0f "$f") tokens/s, bf16 $(printf %.0f "$b"), fp8/bf16 = ${r}x (stretch goal >= 25000; the log-prob error: scripts/gpu/fp8_error.sh)" \
       "$([ "$(ge "$f" 25000)" = 1 ] && echo PASS || echo FAIL)"
     ;;
-  *) echo "bench_rows.sh: unknown row $ROW (4b, 4b-256k, 0.6b, 4b-ragged, 4b-recompute, 8b, 4b-fp8)" >&2; exit 2 ;;
+  4b-256k-fp8)
+    STEPS=${STEPS_256K:-3} WARMUP=${WARMUP_256K:-1} VIME_FLAGS="--fp8-format hybrid --fp8-recipe tensorwise" \
+      MODELS=qwen3-4b RECOMPUTES=none SYSTEMS=vime TOKENS_PER_STEP=262144 train
+    v=$(field vime-qwen3-4b-4096-none tokens_per_s); errors
+    verdict "$ROW" "qwen3-4b s=4096 262144 tokens/step (32 micro-batches), FP8 linear layers: vime $(printf %.0f "$v") tokens/s (the bf16 row's goal: >= 21000)" \
+      "$([ "$(ge "$v" 21000)" = 1 ] && echo PASS || echo FAIL)"
+    ;;
+  *) echo "bench_rows.sh: unknown row $ROW (4b, 4b-256k, 0.6b, 4b-ragged, 4b-recompute, 8b, 4b-fp8, 4b-256k-fp8)" >&2; exit 2 ;;
 esac

@@ -335,9 +335,14 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     let mut opt = DistributedAdamW::new(model.named_parameters(), &opt_args, &dp)?;
     device.synchronize()?;
     eprintln!(
-        "bench-step: {} ({:.3}B params), {dtype:?}, recompute {}, {} x {} tokens per step, built in {:.1}s",
+        "bench-step: {} ({:.3}B params), {dtype:?}{}, recompute {}, {} x {} tokens per step, built in {:.1}s",
         args.model,
         n_params as f64 / 1e9,
+        if model.kernel_config().fp8() {
+            " with FP8 linear layers (hybrid, tensorwise)"
+        } else {
+            ""
+        },
         recompute,
         args.micro_batches,
         args.max_tokens_per_gpu,
@@ -414,13 +419,17 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         }
         let s0 = Instant::now();
         let mut acc = GradAccumulator::new();
-        for b in &batches {
-            // As the trainer's optimizer step does: the running sums go through the backward.
-            let sums = acc.take_sums();
-            let (loss, grads) = model.forward_backward_into(b, recompute, objective, &single, None, None, sums)?;
-            last_loss = loss;
-            acc.put_sums(grads.params)?;
-        }
+        // As the trainer's optimizer step does: the running sums go through the backward, and
+        // under FP8 each weight is quantized once for the step's micro-batches.
+        model.with_fp8_weight_cache(|| -> Result<()> {
+            for b in &batches {
+                let sums = acc.take_sums();
+                let (loss, grads) = model.forward_backward_into(b, recompute, objective, &single, None, None, sums)?;
+                last_loss = loss;
+                acc.put_sums(grads.params)?;
+            }
+            Ok(())
+        })?;
         device.synchronize()?;
         let s1 = Instant::now();
         let grads = acc.take();

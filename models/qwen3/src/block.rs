@@ -83,6 +83,46 @@ pub struct BlockCtx {
     /// input gradient (q/k/v, gate/up) and computes the layer's weight gradients while it runs
     /// (`Collectives::reduce_while`). The same numbers either way.
     pub comm_overlap: bool,
+    /// The FP8 copies of the weights while a [`Fp8WeightCache`] scope is open (see
+    /// `Qwen3::with_fp8_weight_cache`); clones of the context share it.
+    pub(crate) fp8_weights: Fp8WeightCache,
+}
+
+/// Each linear weight quantized once (rows and transpose) for the micro-batches of one optimizer
+/// step, while its scope is open; outside one, every use quantizes afresh. The weights must not
+/// change while the scope is open: the trainer opens it around the micro-batches of a step,
+/// between which nothing writes them.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Fp8WeightCache(Arc<std::sync::Mutex<Option<BTreeMap<String, Arc<Fp8Tensor>>>>>);
+
+impl Fp8WeightCache {
+    /// Opens the scope (empty) if it is closed; returns whether it did (an open scope is left
+    /// as it is, with its copies).
+    pub(crate) fn open(&self) -> bool {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_some() {
+            return false;
+        }
+        *g = Some(BTreeMap::new());
+        true
+    }
+    /// Closes the scope and frees the copies.
+    pub(crate) fn close(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+    /// `w` in FP8 with its transpose: the cached copy of `name` inside a scope, else a fresh one.
+    fn get(&self, name: &str, w: &Var) -> Result<Arc<Fp8Tensor>> {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(map) = g.as_mut() else {
+            return Ok(Arc::new(fp8_quantized(&dw(w), Fp8Format::E4M3, true, 1)?));
+        };
+        if let Some(q) = map.get(name) {
+            return Ok(q.clone());
+        }
+        let q = Arc::new(fp8_quantized(&dw(w), Fp8Format::E4M3, true, 1)?);
+        map.insert(name.to_string(), q.clone());
+        Ok(q)
+    }
 }
 
 impl BlockCtx {
@@ -99,6 +139,7 @@ impl BlockCtx {
             kernels,
             sequence_parallel: false,
             comm_overlap: false,
+            fp8_weights: Fp8WeightCache::default(),
         }
     }
 
@@ -306,10 +347,11 @@ fn fp8_of(t: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Tensor> {
     fp8_quantized(t, format, transpose, FP8_ROWS)
 }
 
-/// A weight (E4M3) as an FP8 GEMM operand: its rows are output features, never padded (an FP8
-/// GEMM on CUDA needs them a multiple of 16, which every Qwen3 release shape is).
-fn fp8_weight(w: &Var, transpose: bool) -> Result<Fp8Tensor> {
-    fp8_quantized(&dw(w), Fp8Format::E4M3, transpose, 1)
+/// A weight (E4M3, with its transpose) as an FP8 GEMM operand, from the step's cache when one is
+/// open: its rows are output features, never padded (an FP8 GEMM on CUDA needs them a multiple
+/// of 16, which every Qwen3 release shape is).
+fn fp8_weight(ctx: &BlockCtx, layer: usize, what: &str, w: &Var) -> Result<Arc<Fp8Tensor>> {
+    ctx.fp8_weights.get(&format!("model.layers.{layer}.{what}"), w)
 }
 
 fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) -> Result<Fp8Tensor> {
@@ -322,10 +364,10 @@ fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) ->
     Ok(fp8::quantize_padded(t, format, transpose, rows)?)
 }
 
-/// `xq · W^T (+ b)` in FP8 (E4M3 weight quantized here; fast accumulation, as Transformer
-/// Engine runs the forward), bf16 out.
-fn linear_fp8(xq: &Fp8Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor> {
-    let wq = fp8_weight(weight, false)?;
+/// `xq · W^T (+ b)` in FP8 (E4M3 weight; fast accumulation, as Transformer Engine runs the
+/// forward), bf16 out. `w`: (the block's context, its layer, the weight's name in it, the weight).
+fn linear_fp8(xq: &Fp8Tensor, w: FpW, bias: Option<&Var>) -> Result<Tensor> {
+    let wq = fp8_weight(w.0, w.1, w.2, w.3)?;
     let y = fp8::matmul_t(xq, Side::Rows, &wq, Side::Rows, None, candle_core::DType::BF16, true)?;
     Ok(match bias {
         Some(b) => y.broadcast_add(&dw(b))?,
@@ -335,17 +377,32 @@ fn linear_fp8(xq: &Fp8Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor
 
 /// [`linear`] for a scoring pass: in FP8 under `KernelConfig::fp8` (the input quantized here),
 /// so that scoring runs the training forward's arithmetic.
-fn linear_scoring(kernels: &KernelConfig, x: &Tensor, weight: &Var, bias: Option<&Var>) -> Result<Tensor> {
-    if kernels.fp8() {
-        linear_fp8(&fp8_of(x, Fp8Format::E4M3, false)?, weight, bias)
+fn linear_scoring(w: FpW, x: &Tensor, bias: Option<&Var>) -> Result<Tensor> {
+    if w.0.kernels.fp8() {
+        linear_fp8(&fp8_of(x, Fp8Format::E4M3, false)?, w, bias)
     } else {
-        linear(kernels, x, weight, bias)
+        linear(&w.0.kernels, x, w.3, bias)
     }
 }
 
-/// `dyq · W` in FP8 (the input gradient: the weight's transpose quantized here), bf16 out.
-fn dgrad_fp8(dyq: &Fp8Tensor, weight: &Var) -> Result<Tensor> {
-    let wq = fp8_weight(weight, true)?;
+/// A block's seven linear layers.
+#[derive(Debug, Clone, Copy)]
+enum Proj {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+/// A weight as [`linear_fp8`] and [`dgrad_fp8`] find it.
+type FpW<'a> = (&'a BlockCtx, usize, &'a str, &'a Var);
+
+/// `dyq · W` in FP8 (the input gradient, from the weight's transpose), bf16 out.
+fn dgrad_fp8(dyq: &Fp8Tensor, w: FpW) -> Result<Tensor> {
+    let wq = fp8_weight(w.0, w.1, w.2, w.3)?;
     Ok(fp8::matmul_t(
         dyq,
         Side::Rows,
@@ -454,6 +511,20 @@ fn put_wgrad_fp8(grads: &mut BTreeMap<String, Tensor>, name: String, dyq: &Fp8Te
 }
 
 impl Block {
+    /// A linear weight as the FP8 helpers take it.
+    fn fw<'a>(&'a self, ctx: &'a BlockCtx, p: Proj) -> FpW<'a> {
+        let (name, var) = match p {
+            Proj::Q => ("self_attn.q_proj.weight", &self.q_proj),
+            Proj::K => ("self_attn.k_proj.weight", &self.k_proj),
+            Proj::V => ("self_attn.v_proj.weight", &self.v_proj),
+            Proj::O => ("self_attn.o_proj.weight", &self.o_proj),
+            Proj::Gate => ("mlp.gate_proj.weight", &self.gate_proj),
+            Proj::Up => ("mlp.up_proj.weight", &self.up_proj),
+            Proj::Down => ("mlp.down_proj.weight", &self.down_proj),
+        };
+        (ctx, self.index, name, var)
+    }
+
     /// The forward of a scoring pass in query chunks of `chunk` tokens (TP 1, nothing saved):
     /// the roped keys and the values of every token first (GQA keeps them small), then each
     /// chunk's queries attend their sequences' keys up to the chunk's end (the kernel's
@@ -472,8 +543,8 @@ impl Block {
         let t = x.dim(0)?;
         let chunk = chunk.max(1);
         let h1 = rms_norm(x, &dw(&self.input_norm), eps)?;
-        let k = linear_scoring(&ctx.kernels, &h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let v = linear_scoring(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let k = linear_scoring(self.fw(ctx, Proj::K), &h1, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let v = linear_scoring(self.fw(ctx, Proj::V), &h1, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
         drop(k);
         let mut outs = Vec::with_capacity(t.div_ceil(chunk));
@@ -482,8 +553,11 @@ impl Block {
             let b = (a + chunk).min(t);
             let n = b - a;
             let pos: Arc<[u32]> = positions[a..b].into();
-            let q = linear_scoring(&ctx.kernels, &h1.narrow(0, a, n)?, &self.q_proj, self.q_bias.as_ref())?
-                .reshape((n, ctx.q_heads, d))?;
+            let q = linear_scoring(self.fw(ctx, Proj::Q), &h1.narrow(0, a, n)?, self.q_bias.as_ref())?.reshape((
+                n,
+                ctx.q_heads,
+                d,
+            ))?;
             let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, &pos, ctx.rope_theta)?;
             drop(q);
             // Each sequence overlapping [a, b): its queries there, its keys from its start to b.
@@ -504,19 +578,19 @@ impl Block {
             let (kc, vc) = (kr.index_select(&index, 0)?, v.index_select(&index, 0)?);
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));
-            let o = linear_scoring(&ctx.kernels, &attn.reshape((n, ctx.q_heads * d))?, &self.o_proj, None)?;
+            let o = linear_scoring(self.fw(ctx, Proj::O), &attn.reshape((n, ctx.q_heads * d))?, None)?;
             let o = match &self.o_bias {
                 Some(bias) => o.broadcast_add(&dw(bias))?,
                 None => o,
             };
             let (x2, h2) = vime_kernels::add_rms_norm(&x.narrow(0, a, n)?, &o, &dw(&self.post_norm), eps)?;
             let act = swiglu(
-                &linear_scoring(&ctx.kernels, &h2, &self.gate_proj, None)?,
-                &linear_scoring(&ctx.kernels, &h2, &self.up_proj, None)?,
+                &linear_scoring(self.fw(ctx, Proj::Gate), &h2, None)?,
+                &linear_scoring(self.fw(ctx, Proj::Up), &h2, None)?,
             )?;
             outs.push(vime_kernels::add(
                 &x2,
-                &linear_scoring(&ctx.kernels, &act, &self.down_proj, None)?,
+                &linear_scoring(self.fw(ctx, Proj::Down), &act, None)?,
             )?);
             a = b;
         }
@@ -576,9 +650,9 @@ impl Block {
             )
         } else if let Some(h1q) = &h1q {
             (
-                linear_fp8(h1q, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
-                linear_fp8(h1q, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
-                linear_fp8(h1q, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                linear_fp8(h1q, self.fw(ctx, Proj::Q), self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
+                linear_fp8(h1q, self.fw(ctx, Proj::K), self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                linear_fp8(h1q, self.fw(ctx, Proj::V), self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
             )
         } else {
             // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
@@ -612,7 +686,7 @@ impl Block {
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
         let a2q = quant(&a2)?;
         let o = match &a2q {
-            Some(q) => linear_fp8(q, &self.o_proj, None)?,
+            Some(q) => linear_fp8(q, self.fw(ctx, Proj::O), None)?,
             None => linear(&ctx.kernels, &a2, &self.o_proj, None)?,
         };
         let o = sp_reduce(ctx, tp, o)?;
@@ -641,8 +715,8 @@ impl Block {
         let h2q = quant(&h2)?;
         let (gate, up) = match &h2q {
             Some(q) => (
-                linear_fp8(q, &self.gate_proj, None)?,
-                linear_fp8(q, &self.up_proj, None)?,
+                linear_fp8(q, self.fw(ctx, Proj::Gate), None)?,
+                linear_fp8(q, self.fw(ctx, Proj::Up), None)?,
             ),
             None => (
                 linear(&ctx.kernels, &h2, &self.gate_proj, None)?,
@@ -653,7 +727,7 @@ impl Block {
         // Row-parallel down_proj, summed over TP.
         let actq = quant(&act)?;
         let down = match &actq {
-            Some(q) => linear_fp8(q, &self.down_proj, None)?,
+            Some(q) => linear_fp8(q, self.fw(ctx, Proj::Down), None)?,
             None => linear(&ctx.kernels, &act, &self.down_proj, None)?,
         };
         let y = vime_kernels::add(&x2, &sp_reduce(ctx, tp, down)?)?;
@@ -713,13 +787,16 @@ impl Block {
         if let Some(f) = s.fp8.as_ref().filter(|_| ctx.kernels.fp8()) {
             let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
             put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
-            let ds = dgrad_fp8(&dyq, &self.down_proj)?;
+            let ds = dgrad_fp8(&dyq, self.fw(ctx, Proj::Down))?;
             drop((dyq, dy_all));
             let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
             drop(ds);
             let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
             drop((dg, du));
-            let dh2 = vime_kernels::add(&dgrad_fp8(&dgq, &self.gate_proj)?, &dgrad_fp8(&duq, &self.up_proj)?)?;
+            let dh2 = vime_kernels::add(
+                &dgrad_fp8(&dgq, self.fw(ctx, Proj::Gate))?,
+                &dgrad_fp8(&duq, self.fw(ctx, Proj::Up))?,
+            )?;
             let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
                 put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
                 put_wgrad_fp8(grads, name("mlp.up_proj.weight"), &duq, &f.h2)
@@ -780,7 +857,7 @@ impl Block {
             Some(f) => {
                 let dq = fp8_of(&dx2_all, Fp8Format::E5M2, true)?;
                 put_wgrad_fp8(grads, name("self_attn.o_proj.weight"), &dq, &f.a2)?;
-                dgrad_fp8(&dq, &self.o_proj)?
+                dgrad_fp8(&dq, self.fw(ctx, Proj::O))?
             }
             None => {
                 put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
@@ -837,8 +914,11 @@ impl Block {
         };
         let dh1 = match &qkv8 {
             Some((_, q8, k8, v8)) => {
-                let a = vime_kernels::add(&dgrad_fp8(q8, &self.q_proj)?, &dgrad_fp8(k8, &self.k_proj)?)?;
-                vime_kernels::add(&a, &dgrad_fp8(v8, &self.v_proj)?)?
+                let a = vime_kernels::add(
+                    &dgrad_fp8(q8, self.fw(ctx, Proj::Q))?,
+                    &dgrad_fp8(k8, self.fw(ctx, Proj::K))?,
+                )?;
+                vime_kernels::add(&a, &dgrad_fp8(v8, self.fw(ctx, Proj::V))?)?
             }
             None => {
                 let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;

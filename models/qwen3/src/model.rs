@@ -512,6 +512,24 @@ impl Qwen3 {
         &self.ctx.kernels
     }
 
+    /// Runs `f` (the micro-batches of one optimizer step) with each FP8 weight quantized once
+    /// instead of at every use (`KernelConfig::fp8`; without FP8 it just runs `f`). The weights
+    /// must not change inside `f`; the copies (1 byte a parameter, twice: rows and transpose) are
+    /// freed when it returns. A nested call runs inside the outer scope.
+    pub fn with_fp8_weight_cache<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        if !self.ctx.kernels.fp8() || !self.ctx.fp8_weights.open() {
+            return f();
+        }
+        struct Close<'a>(&'a crate::block::Fp8WeightCache);
+        impl Drop for Close<'_> {
+            fn drop(&mut self) {
+                self.0.close();
+            }
+        }
+        let _close = Close(&self.ctx.fp8_weights);
+        f()
+    }
+
     /// The blocks' context: local dims (today the global ones) and the kernel choice.
     pub fn block_ctx(&self) -> &BlockCtx {
         &self.ctx

@@ -161,3 +161,28 @@ fn fp8_on_a_model_that_is_not_bf16_is_a_clear_error() {
     let msg = format!("{e:#}");
     assert!(msg.contains("--fp8-format runs on bf16 models"), "{msg}");
 }
+
+#[test]
+fn the_step_weight_cache_gives_the_bits_of_quantizing_at_every_use() {
+    // Two micro-batches accumulated inside one cache scope (each weight quantized once) against
+    // the same two without it (every use quantizes afresh): the same bits, since quantization
+    // depends on the weight alone. A nested scope runs inside the outer one.
+    let cfg = common::tiny(false, true);
+    let w = tensors(&cfg, 9);
+    let m = model(&cfg, &w, DType::BF16, true);
+    let single = vime_dist::SingleRank::default();
+    let b1 = PackedBatch::from_sequences(&[vec![3u32, 7, 9, 11, 4]]).unwrap();
+    let b2 = PackedBatch::from_sequences(&[vec![8u32, 2, 30, 31], vec![5, 6]]).unwrap();
+    let loss = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> { Ok(o.logprobs.sum_all()?) };
+    let two = || -> anyhow::Result<BTreeMap<String, Tensor>> {
+        let (_, g) = m.forward_backward_into(&b1, Recompute::None, loss, &single, None, None, BTreeMap::new())?;
+        let (_, g) = m.forward_backward_into(&b2, Recompute::Full, loss, &single, None, None, g.params)?;
+        Ok(g.params)
+    };
+    let plain = two().unwrap();
+    let cached = m.with_fp8_weight_cache(|| m.with_fp8_weight_cache(two)).unwrap();
+    let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (n, want) in &plain {
+        assert!(bits(&cached[n]) == bits(want), "the gradient of {n} differs with the cache");
+    }
+}

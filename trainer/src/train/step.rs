@@ -259,7 +259,9 @@ fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>
 /// this data-parallel rank's share of `indices`, accumulates the gradients, and steps the ZeRO-1
 /// optimizer (which reduces them over the DP group, clips by the global norm and updates). The
 /// normaliser is the whole step's, so the sum of every rank's gradients is the step's gradient.
+#[allow(clippy::too_many_arguments)]
 fn optimizer_step(
+    model: &Qwen3,
     samples: &[Sample],
     indices: &[usize],
     cfg: &StepConfig,
@@ -291,22 +293,26 @@ fn optimizer_step(
     let mut acc = GradAccumulator::new();
     let mut report = StepReport::default();
     let (mut tokens, mut micro_batches) = (0usize, 0usize);
-    for local in cfg.micro_batches.plan(&lengths)? {
-        let global: Vec<usize> = local.iter().map(|&j| mine[j]).collect();
-        let mut mb = MicroBatch::new(&views, &global)?;
-        if cfg.cp.size() == 1 {
-            mb.pad_to_multiple(cfg.pad_tokens_to)?;
+    // The micro-batches share the weights: under FP8 each is quantized once for all of them.
+    model.with_fp8_weight_cache(|| -> Result<()> {
+        for local in cfg.micro_batches.plan(&lengths)? {
+            let global: Vec<usize> = local.iter().map(|&j| mine[j]).collect();
+            let mut mb = MicroBatch::new(&views, &global)?;
+            if cfg.cp.size() == 1 {
+                mb.pad_to_multiple(cfg.pad_tokens_to)?;
+            }
+            let shard = cfg.cp_shard(&mb.batch)?;
+            let lt = LossTokens::new(&mb, shard.as_ref(), device)?;
+            // The running gradient sums go into the backward and come back with this micro-batch's
+            // added (by the weight GEMMs themselves, see `Qwen3::forward_backward_into`).
+            let (sums, metrics) = mb_fn(&mb, shard.as_ref(), &lt, norm, acc.take_sums())?;
+            acc.put_sums(sums)?;
+            accumulate(&mut report.metrics, &metrics, 1.0);
+            tokens += mb.sample_tokens();
+            micro_batches += 1;
         }
-        let shard = cfg.cp_shard(&mb.batch)?;
-        let lt = LossTokens::new(&mb, shard.as_ref(), device)?;
-        // The running gradient sums go into the backward and come back with this micro-batch's
-        // added (by the weight GEMMs themselves, see `Qwen3::forward_backward_into`).
-        let (sums, metrics) = mb_fn(&mb, shard.as_ref(), &lt, norm, acc.take_sums())?;
-        acc.put_sums(sums)?;
-        accumulate(&mut report.metrics, &metrics, 1.0);
-        tokens += mb.sample_tokens();
-        micro_batches += 1;
-    }
+        Ok(())
+    })?;
     // The NaN/Inf guard's flag (see the module docs), one key per rank so that every rank learns
     // which one it was. Loss terms that are not finite are zeroed for the metric exchanges (JSON
     // has no NaN); the step is dropped anyway.
@@ -462,6 +468,7 @@ pub fn policy_step(
         data
     };
     optimizer_step(
+        model,
         samples,
         indices,
         cfg,
@@ -513,6 +520,7 @@ pub fn sft_step(
     let per_token = cfg.rl.calculate_per_token_loss;
     let device = model.device().clone();
     optimizer_step(
+        model,
         samples,
         indices,
         cfg,
@@ -554,6 +562,7 @@ pub fn critic_step(
     let per_token = cfg.rl.calculate_per_token_loss;
     let device = critic.backbone().device().clone();
     optimizer_step(
+        critic.backbone(),
         samples,
         indices,
         cfg,
