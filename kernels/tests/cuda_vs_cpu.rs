@@ -1670,7 +1670,10 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
     let odd = q(&rng.randn(&[40, 24], 1.0, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?;
     let bad = fp8_matmul_t(op(&odd), op(&odd), None, DType::BF16, false);
     let named = matches!(&bad, Err(e) if e.to_string().contains("multiple of 16"));
-    let ok = none.is_none() && err <= 1e-4 && named;
+    // Not f32's 1e-7: Hopper's FP8 tensor cores accumulate below f32 precision between cuBLAS's
+    // promotions to f32 (measured 9.5e-5 and 1.0e-4 on two data draws, 2026-12-04); a wrong
+    // operand or scale is off by O(1).
+    let ok = none.is_none() && err <= 1e-3 && named;
     ok_all &= ok;
     println!(
         "{:<26} {:<52} rel err vs f64 {err:.1e}, shape error {named}  {}",

@@ -7,6 +7,8 @@
 #
 #   scripts/gpu/fp8_error.sh [OUT_DIR]        MODELS="4b" (0.6b, 4b)
 #
+# Takes ~3 minutes a 4B model on an H200 (the checkpoint, two vime runs and four HF runs).
+#
 # Needs gpu-carry/{device-env.sh, vime-train.xz (--features cuda or cudnn), COMMIT} and the
 # machine's python3 with torch + transformers. Ends with `FP8 ERROR VERDICT (...)`: RECORDED with
 # the numbers (the bf16 run must pass its parity check, the FP8 run's errors must be finite and
