@@ -93,7 +93,10 @@ pub struct BlockCtx {
 /// change while the scope is open: the trainer opens it around the micro-batches of a step,
 /// between which nothing writes them.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Fp8WeightCache(Arc<std::sync::Mutex<Option<BTreeMap<String, Arc<Fp8Tensor>>>>>);
+pub(crate) struct Fp8WeightCache(Arc<std::sync::Mutex<Option<Fp8Weights>>>);
+
+/// The FP8 copies of an open [`Fp8WeightCache`] scope, by HF name.
+type Fp8Weights = BTreeMap<String, Arc<Fp8Tensor>>;
 
 impl Fp8WeightCache {
     /// Opens the scope (empty) if it is closed; returns whether it did (an open scope is left

@@ -181,8 +181,18 @@ fn the_step_weight_cache_gives_the_bits_of_quantizing_at_every_use() {
     };
     let plain = two().unwrap();
     let cached = m.with_fp8_weight_cache(|| m.with_fp8_weight_cache(two)).unwrap();
-    let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let bits = |t: &Tensor| {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
     for (n, want) in &plain {
-        assert!(bits(&cached[n]) == bits(want), "the gradient of {n} differs with the cache");
+        assert!(
+            bits(&cached[n]) == bits(want),
+            "the gradient of {n} differs with the cache"
+        );
     }
 }
