@@ -101,6 +101,33 @@ mod tests {
     const F: vime_kernels::CudnnFailure = vime_kernels::CudnnFailure::Fallback;
 
     #[test]
+    fn fp8_flags_turn_fp8_on_or_say_what_vime_has() {
+        let f = |format: Option<&str>, recipe: &str| Fp8Args {
+            fp8_format: format.map(String::from),
+            fp8_recipe: recipe.into(),
+        };
+        assert!(!f(None, "tensorwise").enabled().unwrap());
+        assert!(f(Some("hybrid"), "tensorwise").enabled().unwrap());
+        for (format, recipe, says) in [
+            (
+                "hybrid",
+                "delayed",
+                "--fp8-recipe \"delayed\": vime has only tensorwise",
+            ),
+            ("hybrid", "mxfp8", "--fp8-recipe \"mxfp8\""),
+            (
+                "e4m3",
+                "tensorwise",
+                "--fp8-format e4m3: not implemented; pass --fp8-format hybrid",
+            ),
+            ("fp4", "tensorwise", "--fp8-format \"fp4\": expected hybrid"),
+        ] {
+            let e = f(Some(format), recipe).enabled().unwrap_err().to_string();
+            assert!(e.contains(says), "{format} {recipe}: {e}");
+        }
+    }
+
+    #[test]
     fn kernel_flags_are_checked() {
         let e = apply_kernel_flags("unfused", false, F).unwrap_err().to_string();
         assert!(e.contains("--attention-backend") && e.contains("unfused"), "{e}");

@@ -335,6 +335,26 @@ fn unknown_rm_type_is_named() -> Result<()> {
 }
 
 #[test]
+fn fp8_flags_vime_lacks_or_an_f32_run_are_named_before_any_rollout() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let model = model_in(tmp.path())?;
+    let prompts = write(&tmp.path().join("p.jsonl"), GOOD_ROWS)?;
+    let m = model.display().to_string();
+    let err = run_error(flags(
+        &m,
+        &prompts,
+        &["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+    ));
+    assert_mentions(&err, &["--fp8-recipe \"delayed\"", "only tensorwise"]);
+    let err = run_error(flags(&m, &prompts, &["--fp8-format", "e4m3"]));
+    assert_mentions(&err, &["--fp8-format e4m3", "--fp8-format hybrid"]);
+    // The CPU run computes in f32: FP8 needs bf16.
+    let err = run_error(flags(&m, &prompts, &["--fp8-format", "hybrid"]));
+    assert_mentions(&err, &["--fp8-format hybrid", "bf16", "F32"]);
+    Ok(())
+}
+
+#[test]
 fn unreachable_vllm_engine_names_the_url_and_does_not_hang() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let model = model_in(tmp.path())?;

@@ -301,6 +301,11 @@ impl<'a> Run<'a> {
             }
         }
         let dtype = parse_dtype(&args.dtype)?;
+        if kernels.fp8() && dtype != candle_core::DType::BF16 {
+            anyhow::bail!(
+                "--fp8-format hybrid runs the linear layers of bf16 models (--dtype bf16); this run computes in {dtype:?}"
+            );
+        }
         let rank0 = world.rank() == 0;
         let ui = if rank0 { Ui::new(args.no_progress) } else { Ui::silent() };
         if world.store().is_some() {
