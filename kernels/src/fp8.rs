@@ -152,13 +152,11 @@ pub fn matmul_t(
         use crate::cuda::{fp8_matmul_t, Fp8Operand};
         let xo = Fp8Operand {
             bits: xb,
-            scale_inv: &x.scale_inv,
-            e5m2: x.format == Fp8Format::E5M2,
+            ..Fp8Operand::of(x)
         };
         let wo = Fp8Operand {
             bits: wb,
-            scale_inv: &w.scale_inv,
-            e5m2: w.format == Fp8Format::E5M2,
+            ..Fp8Operand::of(w)
         };
         let r = fp8_matmul_t(xo, wo, acc.as_ref(), out, fast)?;
         return match (r, acc) {

@@ -104,6 +104,62 @@ fn lt_err(what: &str) -> impl Fn(lt::CublasError) -> candle_core::Error + '_ {
     move |e| candle_core::Error::Msg(format!("cuBLASLt FP8 GEMM {what}: {e:?}"))
 }
 
+/// Up to `n` of cuBLASLt's heuristic algorithms for `desc` over the layouts of A, B and C (D as
+/// C), best first, within [`LT_WORKSPACE`]; those it marks unusable are left out.
+///
+/// # Safety
+/// The handle, descriptor and layouts must be live.
+pub(crate) unsafe fn heuristic_algos(
+    handle: lt_sys::cublasLtHandle_t,
+    desc: lt_sys::cublasLtMatmulDesc_t,
+    [la, lb, lc]: [lt_sys::cublasLtMatrixLayout_t; 3],
+    n: usize,
+) -> Result<Vec<lt_sys::cublasLtMatmulAlgo_t>> {
+    let err = |e: lt::CublasError| candle_core::Error::Msg(format!("cuBLASLt heuristic: {e:?}"));
+    let pref = lt::create_matmul_pref().map_err(err)?;
+    let ws = LT_WORKSPACE as u64;
+    let r = lt::set_matmul_pref_attribute(
+        pref,
+        lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        &ws as *const u64 as *const _,
+        8,
+    );
+    let mut heur = vec![
+        lt_sys::cublasLtMatmulHeuristicResult_t {
+            algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+            workspaceSize: 0,
+            state: lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+            wavesCount: 0.0,
+            reserved: [0; 4],
+        };
+        n.max(1)
+    ];
+    let mut found = 0i32;
+    let h = r.and_then(|_| {
+        lt_sys::cublasLtMatmulAlgoGetHeuristic(
+            handle,
+            desc,
+            la,
+            lb,
+            lc,
+            lc,
+            pref,
+            heur.len() as i32,
+            heur.as_mut_ptr(),
+            &mut found,
+        )
+        .result()
+    });
+    let _ = lt::destroy_matmul_pref(pref);
+    h.map_err(err)?;
+    Ok(heur
+        .iter()
+        .take(found.max(0) as usize)
+        .filter(|h| h.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+        .map(|h| h.algo)
+        .collect())
+}
+
 /// The descriptors of one [`Fp8Shape`] and its heuristic algorithms (best first).
 pub struct Fp8Plan {
     shape: Fp8Shape,
@@ -193,49 +249,8 @@ impl Fp8Plan {
                     .map_err(lt_err("layout type"))?;
                 }
             }
-            let pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
-            let ws = LT_WORKSPACE as u64;
-            let r = lt::set_matmul_pref_attribute(
-                pref,
-                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const u64 as *const _,
-                8,
-            );
-            let mut heur = vec![
-                lt_sys::cublasLtMatmulHeuristicResult_t {
-                    algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-                    workspaceSize: 0,
-                    state: lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
-                    wavesCount: 0.0,
-                    reserved: [0; 4],
-                };
-                algos.max(1)
-            ];
-            let mut found = 0i32;
             let [la, lb, lc] = plan.layouts;
-            let h = r.and_then(|_| {
-                lt_sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle,
-                    desc,
-                    la,
-                    lb,
-                    lc,
-                    lc,
-                    pref,
-                    heur.len() as i32,
-                    heur.as_mut_ptr(),
-                    &mut found,
-                )
-                .result()
-            });
-            let _ = lt::destroy_matmul_pref(pref);
-            h.map_err(lt_err("heuristic"))?;
-            plan.algos = heur
-                .iter()
-                .take(found.max(0) as usize)
-                .filter(|h| h.state == lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-                .map(|h| h.algo)
-                .collect();
+            plan.algos = heuristic_algos(handle, desc, [la, lb, lc], algos)?;
         }
         if plan.algos.is_empty() {
             bail!("FP8 GEMM {shape:?}: cuBLASLt offers no algorithm");
@@ -327,16 +342,6 @@ impl<'a> Fp8Operand<'a> {
             scale_inv: &t.scale_inv,
             e5m2: t.format == crate::fp8::Fp8Format::E5M2,
         }
-    }
-    /// Its transpose (`[cols, rows]`); an error when it was quantized without one.
-    pub fn transposed(t: &'a crate::fp8::Fp8Tensor) -> Result<Self> {
-        let Some(bits) = t.data_t.as_ref() else {
-            bail!(
-                "fp8 operand: the transpose of {:?} was not made (quantize with transpose)",
-                t.data.dims()
-            );
-        };
-        Ok(Fp8Operand { bits, ..Self::of(t) })
     }
 }
 

@@ -122,7 +122,7 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
         Device::Cuda(d) => d.clone(),
         _ => bail!("bench-gemm needs a CUDA device"),
     };
-    let ws_bytes = 32usize << 20;
+    let ws_bytes = super::fp8::LT_WORKSPACE;
     let ws = unsafe { dev.alloc::<u8>(ws_bytes) }?;
     let ws_t = super::device_tensor(ws, &dev, ws_bytes);
     let ws_p = tensor_addr::<u8>(&ws_t, "workspace")?;
@@ -169,20 +169,7 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
         let lb = lt::create_matrix_layout(bf, br as u64, bc as u64, br as i64).map_err(lt_err("layout"))?;
         let lc =
             lt::create_matrix_layout(c_type, case.m as u64, case.n as u64, case.m as i64).map_err(lt_err("layout"))?;
-        let pref = lt::create_matmul_pref().map_err(lt_err("preference"))?;
-        let ws64 = ws_bytes as u64;
-        let mut heur = vec![
-            lt_sys::cublasLtMatmulHeuristicResult_t {
-                algo: lt_sys::cublasLtMatmulAlgo_t { data: [0; 8] },
-                workspaceSize: 0,
-                state: lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
-                wavesCount: 0.0,
-                reserved: [0; 4],
-            };
-            algos.max(1)
-        ];
-        let mut found = 0i32;
-        unsafe {
+        let heur = unsafe {
             for (attr, op) in [
                 (
                     lt_sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
@@ -196,34 +183,11 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
                 lt::set_matmul_desc_attribute(desc, attr, op as *const i32 as *const _, sz)
                     .map_err(lt_err("transpose"))?;
             }
-            lt::set_matmul_pref_attribute(
-                pref,
-                lt_sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws64 as *const u64 as *const _,
-                std::mem::size_of::<u64>(),
-            )
-            .map_err(lt_err("workspace preference"))?;
-            lt_sys::cublasLtMatmulAlgoGetHeuristic(
-                handle,
-                desc,
-                la,
-                lb,
-                lc,
-                lc,
-                pref,
-                heur.len() as i32,
-                heur.as_mut_ptr(),
-                &mut found,
-            )
-            .result()
-            .map_err(lt_err("heuristic"))?;
-        }
+            super::fp8::heuristic_algos(handle, desc, [la, lb, lc], algos)?
+        };
         let (alpha, beta) = (1.0f32, case.beta);
         let mut lt_ms = Vec::new();
-        for h in heur.iter().take(found.max(0) as usize) {
-            if h.state != lt_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                continue;
-            }
+        for algo in &heur {
             let ms = time_ms(&dev, 3, reps, &mut || unsafe {
                 lt::matmul(
                     handle,
@@ -238,7 +202,7 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
                     lc,
                     cp as *mut _,
                     lc,
-                    &h.algo,
+                    algo,
                     ws_p as *mut _,
                     ws_bytes,
                     stream,
@@ -248,7 +212,6 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
             lt_ms.push(ms);
         }
         unsafe {
-            let _ = lt::destroy_matmul_pref(pref);
             let _ = lt::destroy_matrix_layout(la);
             let _ = lt::destroy_matrix_layout(lb);
             let _ = lt::destroy_matrix_layout(lc);
