@@ -350,13 +350,6 @@ fn fp8_of(t: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Tensor> {
     fp8_quantized(t, format, transpose, FP8_ROWS)
 }
 
-/// A weight (E4M3, with its transpose) as an FP8 GEMM operand, from the step's cache when one is
-/// open: its rows are output features, never padded (an FP8 GEMM on CUDA needs them a multiple
-/// of 16, which every Qwen3 release shape is).
-fn fp8_weight(ctx: &BlockCtx, layer: usize, what: &str, w: &Var) -> Result<Arc<Fp8Tensor>> {
-    ctx.fp8_weights.get(&format!("model.layers.{layer}.{what}"), w)
-}
-
 fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) -> Result<Fp8Tensor> {
     if t.dtype() != candle_core::DType::BF16 {
         bail!(
@@ -367,25 +360,37 @@ fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) ->
     Ok(fp8::quantize_padded(t, format, transpose, rows)?)
 }
 
-/// `xq · W^T (+ b)` in FP8 (E4M3 weight; fast accumulation, as Transformer Engine runs the
-/// forward), bf16 out. `w`: (the block's context, its layer, the weight's name in it, the weight).
-fn linear_fp8(xq: &Fp8Tensor, w: FpW, bias: Option<&Var>) -> Result<Tensor> {
-    let wq = fp8_weight(w.0, w.1, w.2, w.3)?;
-    let y = fp8::matmul_t(xq, Side::Rows, &wq, Side::Rows, None, candle_core::DType::BF16, true)?;
+/// `x · W^T (+ b)`: in FP8 from `xq`, the input already quantized (E4M3 weight; fast
+/// accumulation, as Transformer Engine runs the forward; bf16 out), or by [`linear`] when there
+/// is none.
+fn project(w: Weight, x: &Tensor, xq: Option<&Fp8Tensor>, bias: Option<&Var>) -> Result<Tensor> {
+    let Some(xq) = xq else {
+        return linear(&w.ctx.kernels, x, w.var, bias);
+    };
+    let y = fp8::matmul_t(
+        xq,
+        Side::Rows,
+        &*w.fp8()?,
+        Side::Rows,
+        None,
+        candle_core::DType::BF16,
+        true,
+    )?;
     Ok(match bias {
         Some(b) => y.broadcast_add(&dw(b))?,
         None => y,
     })
 }
 
-/// [`linear`] for a scoring pass: in FP8 under `KernelConfig::fp8` (the input quantized here),
+/// [`project`] for a scoring pass: in FP8 under `KernelConfig::fp8` (the input quantized here),
 /// so that scoring runs the training forward's arithmetic.
-fn linear_scoring(w: FpW, x: &Tensor, bias: Option<&Var>) -> Result<Tensor> {
-    if w.0.kernels.fp8() {
-        linear_fp8(&fp8_of(x, Fp8Format::E4M3, false)?, w, bias)
+fn linear_scoring(w: Weight, x: &Tensor, bias: Option<&Var>) -> Result<Tensor> {
+    let xq = if w.ctx.kernels.fp8() {
+        Some(fp8_of(x, Fp8Format::E4M3, false)?)
     } else {
-        linear(&w.0.kernels, x, w.3, bias)
-    }
+        None
+    };
+    project(w, x, xq.as_ref(), bias)
 }
 
 /// A block's seven linear layers.
@@ -400,16 +405,32 @@ enum Proj {
     Down,
 }
 
-/// A weight as [`linear_fp8`] and [`dgrad_fp8`] find it.
-type FpW<'a> = (&'a BlockCtx, usize, &'a str, &'a Var);
+/// One of a block's linear weights: its context (kernels, FP8 weight cache), its HF name and the
+/// weight.
+#[derive(Clone, Copy)]
+struct Weight<'a> {
+    ctx: &'a BlockCtx,
+    layer: usize,
+    name: &'static str,
+    var: &'a Var,
+}
+
+impl Weight<'_> {
+    /// The weight in FP8 (E4M3, with its transpose), from the step's cache when one is open. Its
+    /// rows are output features, never padded: an FP8 GEMM on CUDA needs them a multiple of 16,
+    /// which every Qwen3 release shape is.
+    fn fp8(&self) -> Result<Arc<Fp8Tensor>> {
+        let name = format!("model.layers.{}.{}", self.layer, self.name);
+        self.ctx.fp8_weights.get(&name, self.var)
+    }
+}
 
 /// `dyq · W` in FP8 (the input gradient, from the weight's transpose), bf16 out.
-fn dgrad_fp8(dyq: &Fp8Tensor, w: FpW) -> Result<Tensor> {
-    let wq = fp8_weight(w.0, w.1, w.2, w.3)?;
+fn dgrad_fp8(dyq: &Fp8Tensor, w: Weight) -> Result<Tensor> {
     Ok(fp8::matmul_t(
         dyq,
         Side::Rows,
-        &wq,
+        &*w.fp8()?,
         Side::Transposed,
         None,
         candle_core::DType::BF16,
@@ -515,7 +536,7 @@ fn put_wgrad_fp8(grads: &mut BTreeMap<String, Tensor>, name: String, dyq: &Fp8Te
 
 impl Block {
     /// A linear weight as the FP8 helpers take it.
-    fn fw<'a>(&'a self, ctx: &'a BlockCtx, p: Proj) -> FpW<'a> {
+    fn weight<'a>(&'a self, ctx: &'a BlockCtx, p: Proj) -> Weight<'a> {
         let (name, var) = match p {
             Proj::Q => ("self_attn.q_proj.weight", &self.q_proj),
             Proj::K => ("self_attn.k_proj.weight", &self.k_proj),
@@ -525,7 +546,12 @@ impl Block {
             Proj::Up => ("mlp.up_proj.weight", &self.up_proj),
             Proj::Down => ("mlp.down_proj.weight", &self.down_proj),
         };
-        (ctx, self.index, name, var)
+        Weight {
+            ctx,
+            layer: self.index,
+            name,
+            var,
+        }
     }
 
     /// The forward of a scoring pass in query chunks of `chunk` tokens (TP 1, nothing saved):
@@ -546,8 +572,8 @@ impl Block {
         let t = x.dim(0)?;
         let chunk = chunk.max(1);
         let h1 = rms_norm(x, &dw(&self.input_norm), eps)?;
-        let k = linear_scoring(self.fw(ctx, Proj::K), &h1, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
-        let v = linear_scoring(self.fw(ctx, Proj::V), &h1, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let k = linear_scoring(self.weight(ctx, Proj::K), &h1, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
+        let v = linear_scoring(self.weight(ctx, Proj::V), &h1, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?;
         let kr = rope(&rms_norm(&k, &dw(&self.k_norm), eps)?, positions, ctx.rope_theta)?;
         drop(k);
         let mut outs = Vec::with_capacity(t.div_ceil(chunk));
@@ -556,11 +582,8 @@ impl Block {
             let b = (a + chunk).min(t);
             let n = b - a;
             let pos: Arc<[u32]> = positions[a..b].into();
-            let q = linear_scoring(self.fw(ctx, Proj::Q), &h1.narrow(0, a, n)?, self.q_bias.as_ref())?.reshape((
-                n,
-                ctx.q_heads,
-                d,
-            ))?;
+            let q = linear_scoring(self.weight(ctx, Proj::Q), &h1.narrow(0, a, n)?, self.q_bias.as_ref())?
+                .reshape((n, ctx.q_heads, d))?;
             let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, &pos, ctx.rope_theta)?;
             drop(q);
             // Each sequence overlapping [a, b): its queries there, its keys from its start to b.
@@ -581,19 +604,19 @@ impl Block {
             let (kc, vc) = (kr.index_select(&index, 0)?, v.index_select(&index, 0)?);
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));
-            let o = linear_scoring(self.fw(ctx, Proj::O), &attn.reshape((n, ctx.q_heads * d))?, None)?;
+            let o = linear_scoring(self.weight(ctx, Proj::O), &attn.reshape((n, ctx.q_heads * d))?, None)?;
             let o = match &self.o_bias {
                 Some(bias) => o.broadcast_add(&dw(bias))?,
                 None => o,
             };
             let (x2, h2) = vime_kernels::add_rms_norm(&x.narrow(0, a, n)?, &o, &dw(&self.post_norm), eps)?;
             let act = swiglu(
-                &linear_scoring(self.fw(ctx, Proj::Gate), &h2, None)?,
-                &linear_scoring(self.fw(ctx, Proj::Up), &h2, None)?,
+                &linear_scoring(self.weight(ctx, Proj::Gate), &h2, None)?,
+                &linear_scoring(self.weight(ctx, Proj::Up), &h2, None)?,
             )?;
             outs.push(vime_kernels::add(
                 &x2,
-                &linear_scoring(self.fw(ctx, Proj::Down), &act, None)?,
+                &linear_scoring(self.weight(ctx, Proj::Down), &act, None)?,
             )?);
             a = b;
         }
@@ -651,18 +674,13 @@ impl Block {
                 qkv.narrow(1, hq, hkv)?,
                 qkv.narrow(1, hq + hkv, hkv)?,
             )
-        } else if let Some(h1q) = &h1q {
-            (
-                linear_fp8(h1q, self.fw(ctx, Proj::Q), self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
-                linear_fp8(h1q, self.fw(ctx, Proj::K), self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
-                linear_fp8(h1q, self.fw(ctx, Proj::V), self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
-            )
         } else {
             // Column-parallel q/k/v (this rank's heads): the identity here, the sum of dh1 back.
+            let p = |w, bias: &Option<Var>| project(self.weight(ctx, w), &h1, h1q.as_ref(), bias.as_ref());
             (
-                linear(&ctx.kernels, &h1, &self.q_proj, self.q_bias.as_ref())?.reshape((t, ctx.q_heads, d))?,
-                linear(&ctx.kernels, &h1, &self.k_proj, self.k_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
-                linear(&ctx.kernels, &h1, &self.v_proj, self.v_bias.as_ref())?.reshape((t, ctx.kv_heads, d))?,
+                p(Proj::Q, &self.q_bias)?.reshape((t, ctx.q_heads, d))?,
+                p(Proj::K, &self.k_bias)?.reshape((t, ctx.kv_heads, d))?,
+                p(Proj::V, &self.v_bias)?.reshape((t, ctx.kv_heads, d))?,
             )
         };
         let (qr, kr) = if let Some(rows) = decode_rows {
@@ -688,11 +706,7 @@ impl Block {
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
         let a2q = quant(&a2)?;
-        let o = match &a2q {
-            Some(q) => linear_fp8(q, self.fw(ctx, Proj::O), None)?,
-            None => linear(&ctx.kernels, &a2, &self.o_proj, None)?,
-        };
-        let o = sp_reduce(ctx, tp, o)?;
+        let o = sp_reduce(ctx, tp, project(self.weight(ctx, Proj::O), &a2, a2q.as_ref(), None)?)?;
         let o = match &self.o_bias {
             Some(b) => o.broadcast_add(&dw(b))?,
             None => o,
@@ -716,23 +730,12 @@ impl Block {
         }
         // Column-parallel gate/up (this rank's share of the intermediate size).
         let h2q = quant(&h2)?;
-        let (gate, up) = match &h2q {
-            Some(q) => (
-                linear_fp8(q, self.fw(ctx, Proj::Gate), None)?,
-                linear_fp8(q, self.fw(ctx, Proj::Up), None)?,
-            ),
-            None => (
-                linear(&ctx.kernels, &h2, &self.gate_proj, None)?,
-                linear(&ctx.kernels, &h2, &self.up_proj, None)?,
-            ),
-        };
+        let gate = project(self.weight(ctx, Proj::Gate), &h2, h2q.as_ref(), None)?;
+        let up = project(self.weight(ctx, Proj::Up), &h2, h2q.as_ref(), None)?;
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
         let actq = quant(&act)?;
-        let down = match &actq {
-            Some(q) => linear_fp8(q, self.fw(ctx, Proj::Down), None)?,
-            None => linear(&ctx.kernels, &act, &self.down_proj, None)?,
-        };
+        let down = project(self.weight(ctx, Proj::Down), &act, actq.as_ref(), None)?;
         let y = vime_kernels::add(&x2, &sp_reduce(ctx, tp, down)?)?;
         let attn_saved = match (keep, attn_saved) {
             (Keep::Nothing, _) => return Ok((y, Kept::Nothing)),
@@ -790,15 +793,15 @@ impl Block {
         if let Some(f) = s.fp8.as_ref().filter(|_| ctx.kernels.fp8()) {
             let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
             put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
-            let ds = dgrad_fp8(&dyq, self.fw(ctx, Proj::Down))?;
+            let ds = dgrad_fp8(&dyq, self.weight(ctx, Proj::Down))?;
             drop((dyq, dy_all));
             let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
             drop(ds);
             let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
             drop((dg, du));
             let dh2 = vime_kernels::add(
-                &dgrad_fp8(&dgq, self.fw(ctx, Proj::Gate))?,
-                &dgrad_fp8(&duq, self.fw(ctx, Proj::Up))?,
+                &dgrad_fp8(&dgq, self.weight(ctx, Proj::Gate))?,
+                &dgrad_fp8(&duq, self.weight(ctx, Proj::Up))?,
             )?;
             let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
                 put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
@@ -860,7 +863,7 @@ impl Block {
             Some(f) => {
                 let dq = fp8_of(&dx2_all, Fp8Format::E5M2, true)?;
                 put_wgrad_fp8(grads, name("self_attn.o_proj.weight"), &dq, &f.a2)?;
-                dgrad_fp8(&dq, self.fw(ctx, Proj::O))?
+                dgrad_fp8(&dq, self.weight(ctx, Proj::O))?
             }
             None => {
                 put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
@@ -918,10 +921,10 @@ impl Block {
         let dh1 = match &qkv8 {
             Some((_, q8, k8, v8)) => {
                 let a = vime_kernels::add(
-                    &dgrad_fp8(q8, self.fw(ctx, Proj::Q))?,
-                    &dgrad_fp8(k8, self.fw(ctx, Proj::K))?,
+                    &dgrad_fp8(q8, self.weight(ctx, Proj::Q))?,
+                    &dgrad_fp8(k8, self.weight(ctx, Proj::K))?,
                 )?;
-                vime_kernels::add(&a, &dgrad_fp8(v8, self.fw(ctx, Proj::V))?)?
+                vime_kernels::add(&a, &dgrad_fp8(v8, self.weight(ctx, Proj::V))?)?
             }
             None => {
                 let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
@@ -1153,5 +1156,39 @@ mod tp_tests {
                 );
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod fp8_cache_tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Inside a scope a weight is quantized once (every use gets the same copy, by pointer) and
+    /// a nested open keeps the copies; outside one, and after the scope closes, each use
+    /// quantizes afresh (same bits, a new copy).
+    #[test]
+    fn a_weight_is_quantized_once_per_scope() {
+        let w = Var::from_tensor(
+            &Tensor::randn(0f32, 1.0, (32, 16), &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        )
+        .unwrap();
+        let cache = Fp8WeightCache::default();
+        let get = || cache.get("model.layers.0.mlp.up_proj.weight", &w).unwrap();
+        assert!(!Arc::ptr_eq(&get(), &get()), "no scope: a fresh copy each time");
+        assert!(cache.open());
+        let first = get();
+        assert!(Arc::ptr_eq(&first, &get()), "in a scope: one copy");
+        assert!(!cache.open(), "a nested open leaves the scope as it is");
+        assert!(Arc::ptr_eq(&first, &get()), "the nested open kept the copy");
+        assert!(first.data_t.is_some(), "the transpose is there for the backward");
+        cache.close();
+        let after = get();
+        assert!(!Arc::ptr_eq(&first, &after), "closed: a fresh copy");
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<u8>().unwrap();
+        assert_eq!(bits(&first.data), bits(&after.data));
     }
 }
