@@ -384,6 +384,11 @@ pub struct ReferenceModel {
 }
 
 impl ReferenceModel {
+    /// The frozen model itself.
+    pub fn model(&self) -> &Qwen3 {
+        &self.model
+    }
+
     /// The kernel choice of the reference's attention (see `Qwen3::set_kernel_config`).
     pub fn set_kernel_config(&mut self, kernels: vime_kernels::KernelConfig) {
         self.model.set_kernel_config(kernels);

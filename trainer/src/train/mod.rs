@@ -1083,19 +1083,29 @@ impl<'a> Run<'a> {
                     let shard = CpShard::new(b, cp.size(), cp.rank(), pad)?;
                     shard.gather_to_global(b, &f(&shard)?, cp)
                 };
-            let old = if cp.size() > 1 {
-                split(&|b| on_cp(b, &|s| Ok(self.policy.logprobs_entropy_cp(s, tp, cp)?.logprobs)))?
-            } else {
-                split(&|b| Ok(self.policy.logprobs_entropy_tp(b, tp)?.logprobs))?
-            };
+            // Under FP8 each model's weights are quantized once for all of its scoring
+            // micro-batches (none of them changes while it scores).
+            let old = self.policy.with_fp8_weight_cache(|| {
+                if cp.size() > 1 {
+                    split(&|b| on_cp(b, &|s| Ok(self.policy.logprobs_entropy_cp(s, tp, cp)?.logprobs)))
+                } else {
+                    split(&|b| Ok(self.policy.logprobs_entropy_tp(b, tp)?.logprobs))
+                }
+            })?;
             let reference = match &self.reference {
-                Some(r) if cp.size() > 1 => Some(split(&|b| on_cp(b, &|s| r.logprobs_cp(s, tp, cp)))?),
-                Some(r) => Some(split(&|b| r.logprobs_tp(b, tp))?),
+                Some(r) if cp.size() > 1 => Some(
+                    r.model()
+                        .with_fp8_weight_cache(|| split(&|b| on_cp(b, &|s| r.logprobs_cp(s, tp, cp))))?,
+                ),
+                Some(r) => Some(r.model().with_fp8_weight_cache(|| split(&|b| r.logprobs_tp(b, tp)))?),
                 None => None,
             };
             let values = match &self.critic {
-                Some((c, _, _)) if cp.size() > 1 => Some(split(&|b| on_cp(b, &|s| c.values_cp(s, tp, cp)))?),
-                Some((c, _, _)) => Some(split(&|b| c.values_tp(b, tp))?),
+                Some((c, _, _)) if cp.size() > 1 => Some(
+                    c.backbone()
+                        .with_fp8_weight_cache(|| split(&|b| on_cp(b, &|s| c.values_cp(s, tp, cp))))?,
+                ),
+                Some((c, _, _)) => Some(c.backbone().with_fp8_weight_cache(|| split(&|b| c.values_tp(b, tp)))?),
                 None => None,
             };
             (old, reference, values)
