@@ -745,18 +745,13 @@ fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
             .max(rel_err(&(got.to_device(&Device::Cpu)? - &sum)?, &dw_want)?)
             .max(rel_err(&dh.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, &dh_want)?);
     }
-    let ok = worst <= TOL && in_place;
-    println!(
-        "{:<26} {:<52} rel err {worst:.1e} (dW sum and d_hidden, 1 and 4 chunks), in place {in_place}  {}",
+    report(
+        failures,
         "logprobs_entropy into sum",
-        format!("[{t}, {hid}] x [{vocab}, {hid}] bf16 + f32 sum"),
-        if ok { "ok" } else { "FAIL" }
+        &format!("[{t}, {hid}] x [{vocab}, {hid}] bf16 + f32 sum"),
+        &format!("rel err {worst:.1e} (dW sum and d_hidden, 1 and 4 chunks), in place {in_place}"),
+        worst <= TOL && in_place,
     );
-    if !ok {
-        failures.push(format!(
-            "logprobs_entropy_backward_into: rel err {worst:e}, in place {in_place}"
-        ));
-    }
     Ok(())
 }
 
@@ -1601,6 +1596,14 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
     Ok(())
 }
 
+/// Prints one check's line (`op`, `shape`, what it measured, ok or FAIL) and records a failure.
+fn report(failures: &mut Vec<String>, op: &str, shape: &str, detail: &str, ok: bool) {
+    println!("{op:<26} {shape:<52} {detail}  {}", if ok { "ok" } else { "FAIL" });
+    if !ok {
+        failures.push(format!("{op} {shape}: {detail}"));
+    }
+}
+
 /// FP8 quantization (`cuda/fp8.cu`) bit for bit against the CPU reference of `vime_kernels::fp8`
 /// (bits, transpose and scale), at a projection's shape with an outlier, an odd shape (the
 /// kernels' unpaired tails) in E5M2 and an all-zero tensor; then the FP8 GEMM (cuBLASLt) against
@@ -1609,7 +1612,6 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
 fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     use vime_kernels::cuda::{fp8_matmul_t, Fp8Operand};
     use vime_kernels::fp8::{quantize, Fp8Format, Fp8Tensor};
-    let mut ok_all = true;
     for (rows, cols, fmt, scale) in [
         (1040usize, 2560usize, Fp8Format::E4M3, 1.0f32),
         (70, 37, Fp8Format::E5M2, 1e-3),
@@ -1632,12 +1634,12 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
         let s_w = want.scale_inv.to_vec1::<f32>()?[0];
         let s_g = got.scale_inv.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0];
         let ok = bits && bits_t && s_w.to_bits() == s_g.to_bits();
-        ok_all &= ok;
-        println!(
-            "{:<26} {:<52} bits {bits}, transpose {bits_t}, scale_inv {s_g:e} vs {s_w:e}  {}",
+        report(
+            failures,
             "fp8 quantize",
-            format!("[{rows}, {cols}] {fmt:?} x{scale}"),
-            if ok { "ok" } else { "FAIL" }
+            &format!("[{rows}, {cols}] {fmt:?} x{scale}"),
+            &format!("bits {bits}, transpose {bits_t}, scale_inv {s_g:e} vs {s_w:e}"),
+            ok,
         );
     }
     // The GEMMs: out [n, m] = x [n, k] . w [m, k]^T.
@@ -1652,12 +1654,12 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
         let got = fp8_matmul_t(op(&x), op(&w), None, DType::BF16, fast)?.expect("a new output");
         let err = rel_err(&got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?, &want)?;
         let ok = got.dtype() == DType::BF16 && err <= TOL;
-        ok_all &= ok;
-        println!(
-            "{:<26} {:<52} rel err vs f64 {err:.1e}  {}",
+        report(
+            failures,
             "fp8_matmul_t",
-            format!("[{n}, {k}] . [{m}, {k}]^T E4M3, bf16 out, fast accum {fast}"),
-            if ok { "ok" } else { "FAIL" }
+            &format!("[{n}, {k}] . [{m}, {k}]^T E4M3, bf16 out, fast accum {fast}"),
+            &format!("rel err vs f64 {err:.1e}"),
+            ok,
         );
     }
     let dy_t = q(&rng.randn(&[m, n], 1e-3, DType::F32, &Device::Cpu)?, Fp8Format::E5M2)?;
@@ -1674,16 +1676,13 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
     // promotions to f32 (measured 9.5e-5 and 1.0e-4 on two data draws, 2026-12-04); a wrong
     // operand or scale is off by O(1).
     let ok = none.is_none() && err <= 1e-3 && named;
-    ok_all &= ok;
-    println!(
-        "{:<26} {:<52} rel err vs f64 {err:.1e}, shape error {named}  {}",
+    report(
+        failures,
         "fp8_matmul_t += f32",
-        format!("sum [{m}, {k}] + [{m}, {n}] E5M2 . [{k}, {n}]^T E4M3"),
-        if ok { "ok" } else { "FAIL" }
+        &format!("sum [{m}, {k}] + [{m}, {n}] E5M2 . [{k}, {n}]^T E4M3"),
+        &format!("rel err vs f64 {err:.1e}, shape error {named}"),
+        ok,
     );
-    if !ok_all {
-        failures.push("fp8: see the fp8 lines above".into());
-    }
     Ok(())
 }
 
