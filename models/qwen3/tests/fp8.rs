@@ -64,6 +64,24 @@ fn total_err(got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>) ->
     (num / den).sqrt()
 }
 
+/// A tensor's values as f32, to compare bit for bit.
+fn bits(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+}
+
+/// Two micro-batches of one step.
+fn two_micro_batches() -> (PackedBatch, PackedBatch) {
+    (
+        PackedBatch::from_sequences(&[vec![3u32, 7, 9, 11, 4]]).unwrap(),
+        PackedBatch::from_sequences(&[vec![8u32, 2, 30, 31], vec![5, 6]]).unwrap(),
+    )
+}
+
 fn batch() -> PackedBatch {
     PackedBatch::from_sequences(&[
         vec![3u32, 7, 9, 11, 4, 5, 6, 21, 22, 23, 24],
@@ -114,14 +132,6 @@ fn fp8_is_bit_for_bit_reproducible_and_recompute_gives_its_bits() {
         let (l, g) = grads(&m, &b, rec).unwrap();
         assert_eq!(l, l0, "{rec:?}: loss");
         for (n, want) in &g0 {
-            let bits = |t: &Tensor| {
-                t.to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-            };
             let same = bits(&g[n]) == bits(want);
             assert!(same, "{rec:?}: the gradient of {n} differs");
         }
@@ -135,8 +145,7 @@ fn fp8_weight_gradients_add_into_the_running_sum() {
     let cfg = common::tiny(true, false);
     let w = tensors(&cfg, 7);
     let m = model(&cfg, &w, DType::BF16, true);
-    let b1 = PackedBatch::from_sequences(&[vec![3u32, 7, 9, 11, 4]]).unwrap();
-    let b2 = PackedBatch::from_sequences(&[vec![8u32, 2, 30, 31], vec![5, 6]]).unwrap();
+    let (b1, b2) = two_micro_batches();
     let loss = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> { Ok(o.logprobs.sum_all()?) };
     let (_, g1) = m.forward_backward(&b1, Recompute::None, loss).unwrap();
     let (_, g2) = m.forward_backward(&b2, Recompute::None, loss).unwrap();
@@ -171,8 +180,7 @@ fn the_step_weight_cache_gives_the_bits_of_quantizing_at_every_use() {
     let w = tensors(&cfg, 9);
     let m = model(&cfg, &w, DType::BF16, true);
     let single = vime_dist::SingleRank::default();
-    let b1 = PackedBatch::from_sequences(&[vec![3u32, 7, 9, 11, 4]]).unwrap();
-    let b2 = PackedBatch::from_sequences(&[vec![8u32, 2, 30, 31], vec![5, 6]]).unwrap();
+    let (b1, b2) = two_micro_batches();
     let loss = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> { Ok(o.logprobs.sum_all()?) };
     let two = || -> anyhow::Result<BTreeMap<String, Tensor>> {
         let (_, g) = m.forward_backward_into(&b1, Recompute::None, loss, &single, None, None, BTreeMap::new())?;
@@ -181,14 +189,6 @@ fn the_step_weight_cache_gives_the_bits_of_quantizing_at_every_use() {
     };
     let plain = two().unwrap();
     let cached = m.with_fp8_weight_cache(|| m.with_fp8_weight_cache(two)).unwrap();
-    let bits = |t: &Tensor| {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-    };
     for (n, want) in &plain {
         assert!(
             bits(&cached[n]) == bits(want),
