@@ -71,6 +71,22 @@ pub struct Fp8Tensor {
 }
 
 impl Fp8Tensor {
+    /// The transpose as a tensor of its own (`[cols, rows_pad]`, its rows the columns; read with
+    /// [`Side::Rows`]), dropping the bits as quantized: what a weight gradient keeps of a
+    /// forward's input, which its forward GEMM has already read.
+    pub fn into_transpose(self) -> Result<Fp8Tensor> {
+        let Some(t) = self.data_t else {
+            bail!("fp8: the transpose of {:?} was not made (quantize with transpose)", self.data.dims());
+        };
+        Ok(Fp8Tensor {
+            rows: t.dim(0)?,
+            data: t,
+            data_t: None,
+            scale_inv: self.scale_inv,
+            format: self.format,
+        })
+    }
+
     /// The values `q * scale_inv` as f32 `[rows, cols]` (for tests and error measurements).
     pub fn dequantize(&self) -> Result<Tensor> {
         dequantize_bits(&self.data, &self.scale_inv, self.format)
@@ -299,8 +315,15 @@ mod tests {
                     );
                 }
             }
-            let t = q.data_t.unwrap().to_vec2::<u8>().unwrap();
             let n = q.data.to_vec2::<u8>().unwrap();
+            let scale = q.scale_inv.to_vec1::<f32>().unwrap();
+            // The transpose as a tensor of its own keeps the scale and format, and its rows are
+            // the columns.
+            let qt = q.into_transpose().unwrap();
+            assert_eq!((qt.rows, qt.data_t.is_none(), qt.format), (n[0].len(), true, f));
+            assert_eq!(qt.scale_inv.to_vec1::<f32>().unwrap(), scale);
+            assert!(qt.clone().into_transpose().is_err(), "a second transpose was never made");
+            let t = qt.data.to_vec2::<u8>().unwrap();
             for (r, row) in n.iter().enumerate() {
                 for (c, &b) in row.iter().enumerate() {
                     assert_eq!(t[c][r], b);

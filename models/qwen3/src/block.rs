@@ -301,7 +301,6 @@ impl Kept {
 pub(crate) struct Saved {
     positions: Arc<[u32]>,
     x: Tensor,
-    h1: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -310,11 +309,18 @@ pub(crate) struct Saved {
     attn: Tensor,
     attn_saved: AttentionSaved,
     x2: Tensor,
-    h2: Tensor,
     gate: Tensor,
     up: Tensor,
-    act: Tensor,
-    fp8: Option<SavedFp8>,
+    inputs: LinearInputs,
+}
+
+/// What the weight gradients of the seven linear layers read of their inputs.
+enum LinearInputs {
+    /// bf16: the inputs of q/k/v (h1; under SP this rank's token slice), gate/up (h2, the same)
+    /// and down (the SwiGLU output). o's input is the attention output, saved for attention.
+    Bf16 { h1: Tensor, h2: Tensor, act: Tensor },
+    /// FP8 (`KernelConfig::fp8`): the four inputs' FP8 transposes only.
+    Fp8(SavedFp8),
 }
 
 fn dw(v: &Var) -> Tensor {
@@ -333,7 +339,8 @@ pub(crate) fn linear(kernels: &KernelConfig, x: &Tensor, weight: &Var, bias: Opt
 
 /// The FP8 operands of a block's weight gradients (`KernelConfig::fp8`), kept by the forward:
 /// the inputs of q/k/v (h1), o (the attention output), gate/up (h2) and down (the SwiGLU
-/// output), each quantized once with its transpose, which the weight-gradient GEMM reads.
+/// output), each quantized once; only the transpose, which the weight-gradient GEMM reads, is
+/// kept ([`Fp8Tensor::into_transpose`]).
 pub(crate) struct SavedFp8 {
     h1: Fp8Tensor,
     a2: Fp8Tensor,
@@ -516,15 +523,16 @@ fn put_wgrad(grads: &mut BTreeMap<String, Tensor>, name: String, dy: &Tensor, x:
     Ok(())
 }
 
-/// [`put_wgrad`] in FP8: `dyq^T xq` (both transposes) in f32, added by the GEMM to the running
+/// [`put_wgrad`] in FP8: `dyq^T x` from dyq's transpose and `xt`, the input's transpose as a
+/// tensor of its own ([`Fp8Tensor::into_transpose`]), in f32, added by the GEMM to the running
 /// sum if there is one.
-fn put_wgrad_fp8(grads: &mut BTreeMap<String, Tensor>, name: String, dyq: &Fp8Tensor, xq: &Fp8Tensor) -> Result<()> {
+fn put_wgrad_fp8(grads: &mut BTreeMap<String, Tensor>, name: String, dyq: &Fp8Tensor, xt: &Fp8Tensor) -> Result<()> {
     let prev = grads.remove(&name);
     let g = fp8::matmul_t(
         dyq,
         Side::Transposed,
-        xq,
-        Side::Transposed,
+        xt,
+        Side::Rows,
         prev,
         candle_core::DType::F32,
         false,
@@ -743,10 +751,22 @@ impl Block {
             (_, Some(saved)) => saved,
             (_, None) => bail!("layer {}: attention kept nothing for the backward", self.index),
         };
+        let inputs = match (h1q, a2q, h2q, actq) {
+            (Some(h1), Some(a2), Some(h2), Some(act)) => LinearInputs::Fp8(SavedFp8 {
+                h1: h1.into_transpose()?,
+                a2: a2.into_transpose()?,
+                h2: h2.into_transpose()?,
+                act: act.into_transpose()?,
+            }),
+            _ => LinearInputs::Bf16 {
+                h1: if ctx.sequence_parallel { h1_local } else { h1 },
+                h2: if ctx.sequence_parallel { h2_local } else { h2 },
+                act,
+            },
+        };
         let saved = Saved {
             positions: positions.clone(),
             x: x.clone(),
-            h1: if ctx.sequence_parallel { h1_local } else { h1 },
             q,
             k,
             v,
@@ -755,14 +775,9 @@ impl Block {
             attn,
             attn_saved,
             x2,
-            h2: if ctx.sequence_parallel { h2_local } else { h2 },
             gate,
             up,
-            act,
-            fp8: match (h1q, a2q, h2q, actq) {
-                (Some(h1), Some(a2), Some(h2), Some(act)) => Some(SavedFp8 { h1, a2, h2, act }),
-                _ => None,
-            },
+            inputs,
         };
         Ok((y, Kept::All(Box::new(saved))))
     }
@@ -785,32 +800,40 @@ impl Block {
         let name = |p: &str| format!("model.layers.{i}.{p}");
         // dW = dY^T X in the weight's own [out, in] layout, in f32 (f64 models: f64), added by
         // its GEMM to the sum already in `grads` (earlier micro-batches) if there is one.
-        if ctx.kernels.fp8() && s.fp8.is_none() {
-            bail!("layer {i}: the FP8 backward needs the FP8 operands of its forward, which kept none");
+        if ctx.kernels.fp8() != matches!(s.inputs, LinearInputs::Fp8(_)) {
+            bail!(
+                "layer {i}: an {} backward of a forward that ran {}",
+                if ctx.kernels.fp8() { "FP8" } else { "bf16" },
+                if ctx.kernels.fp8() { "bf16" } else { "FP8" }
+            );
         }
         // MLP.
         let dy_all = sp_gather(ctx, tp, dy.clone())?;
-        if let Some(f) = s.fp8.as_ref().filter(|_| ctx.kernels.fp8()) {
-            let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
-            put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
-            let ds = dgrad_fp8(&dyq, self.weight(ctx, Proj::Down))?;
-            drop((dyq, dy_all));
-            let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
-            drop(ds);
-            let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
-            drop((dg, du));
-            let dh2 = vime_kernels::add(
-                &dgrad_fp8(&dgq, self.weight(ctx, Proj::Gate))?,
-                &dgrad_fp8(&duq, self.weight(ctx, Proj::Up))?,
-            )?;
-            let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
-                put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
-                put_wgrad_fp8(grads, name("mlp.up_proj.weight"), &duq, &f.h2)
-            })?;
-            return self.backward_attention(ctx, s, dy, dh2, grads, tp, attention);
-        }
-        let h2 = &sp_gather(ctx, tp, s.h2.clone())?;
-        put_wgrad(grads, name("mlp.down_proj.weight"), &dy_all, &s.act)?;
+        let (h2, act) = match &s.inputs {
+            LinearInputs::Bf16 { h2, act, .. } => (h2.clone(), act.clone()),
+            LinearInputs::Fp8(f) => {
+                let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
+                put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
+                let ds = dgrad_fp8(&dyq, self.weight(ctx, Proj::Down))?;
+                drop((dyq, dy_all));
+                let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
+                drop(ds);
+                let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
+                drop((dg, du));
+                let dh2 = vime_kernels::add(
+                    &dgrad_fp8(&dgq, self.weight(ctx, Proj::Gate))?,
+                    &dgrad_fp8(&duq, self.weight(ctx, Proj::Up))?,
+                )?;
+                let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
+                    put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
+                    put_wgrad_fp8(grads, name("mlp.up_proj.weight"), &duq, &f.h2)
+                })?;
+                return self.backward_attention(ctx, s, dy, dh2, grads, tp, attention);
+            }
+        };
+        let h2 = &sp_gather(ctx, tp, h2)?;
+        put_wgrad(grads, name("mlp.down_proj.weight"), &dy_all, &act)?;
+        drop(act);
         let ds = dy_all.matmul(&dw(&self.down_proj))?;
         drop(dy_all);
         let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
@@ -844,7 +867,10 @@ impl Block {
         let i = self.index;
         let name = |p: &str| format!("model.layers.{i}.{p}");
         let bgrad = |dy2: &Tensor| -> Result<Tensor> { Ok(dy2.sum(0)?) };
-        let f8 = s.fp8.as_ref().filter(|_| ctx.kernels.fp8());
+        let f8 = match &s.inputs {
+            LinearInputs::Fp8(f) => Some(f),
+            LinearInputs::Bf16 { .. } => None,
+        };
         // dx2 = dy + rms'(x2; dh2): the skip connection's gradient added in the norm's pass.
         let (dx2, dwpost) = rms_norm_backward_add(&s.x2, &dw(&self.post_norm), eps, &dh2, dy)?;
         put(
@@ -906,7 +932,10 @@ impl Block {
         let dv = dv.reshape((t, nkv * d))?;
 
         // q/k/v projections and the input norm.
-        let h1 = &sp_gather(ctx, tp, s.h1.clone())?;
+        let h1 = match &s.inputs {
+            LinearInputs::Bf16 { h1, .. } => Some(sp_gather(ctx, tp, h1.clone())?),
+            LinearInputs::Fp8(_) => None,
+        };
         // The input gradient first; its reduction runs while q's, k's and v's weight (and bias)
         // gradients are computed.
         let qkv8 = match f8 {
@@ -936,7 +965,7 @@ impl Block {
                 put_wgrad_fp8(grads, name("self_attn.q_proj.weight"), q8, &f.h1)?;
                 put_wgrad_fp8(grads, name("self_attn.k_proj.weight"), k8, &f.h1)?;
                 put_wgrad_fp8(grads, name("self_attn.v_proj.weight"), v8, &f.h1)?;
-            } else {
+            } else if let Some(h1) = &h1 {
                 put_wgrad(grads, name("self_attn.q_proj.weight"), &dq, h1)?;
                 put_wgrad(grads, name("self_attn.k_proj.weight"), &dk, h1)?;
                 put_wgrad(grads, name("self_attn.v_proj.weight"), &dv, h1)?;
