@@ -15,25 +15,41 @@ typedef __nv_bfloat16 bf16;
 
 #define FULL_MASK 0xffffffffu
 
-__device__ __forceinline__ float fp8_scale(const unsigned int* amax, int e5m2) {
-    const float a = __uint_as_float(*amax);
-    const float fmax = e5m2 ? 57344.f : 448.f;
-    return (a > 0.f && a <= 3.402823466e38f) ? __fdiv_rn(fmax, a) : 1.f;
-}
-
 __device__ __forceinline__ unsigned short fp8x2(float a, float b, int e5m2) {
     return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
 }
 
-__device__ __forceinline__ unsigned char fp8x1(float a, int e5m2) {
-    return __nv_cvt_float_to_fp8(a, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+__device__ __forceinline__ float absmax8(uint4 u) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+    return m;
 }
 
-// *amax = max(*amax, max |x[i]|) over n values, as f32 bits (non-negative floats order as their
-// bits, so atomicMax on the bits is a float max; the caller zero-fills *amax). Order-free: the
-// result is the same whatever the launch shape. 16-byte loads when x is aligned.
+// The max of m over the block, in every thread. Once per kernel (it owns the shared buffer).
+__device__ __forceinline__ float block_max(float m) {
+    __shared__ float part[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) part[warp] = m;
+    __syncthreads();
+    m = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+    return m;
+}
+
+// The amax in two stages, with no atomics and no zero-fill: each block of this kernel writes the
+// max |x| of its grid-stride share of the n values to partial[blockIdx.x] (f32 bits, NaNs
+// ignored as fmaxf does), and the cast reduces the gridDim.x partials. Order-free: the amax is
+// the same whatever the launch shape. 16-byte loads, four in flight per thread, when x is aligned.
 extern "C" __global__ void vime_fp8_amax(const bf16* __restrict__ x, unsigned long long n,
-                                         unsigned int* __restrict__ amax) {
+                                         unsigned int* __restrict__ partial) {
     float m = 0.f;
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -41,78 +57,121 @@ extern "C" __global__ void vime_fp8_amax(const bf16* __restrict__ x, unsigned lo
     if (((uintptr_t)x & 15) == 0) {
         const unsigned long long n8 = n / 8;
         const uint4* x8 = reinterpret_cast<const uint4*>(x);
-        for (unsigned long long i = first; i < n8; i += stride) {
-            const uint4 u = x8[i];
-            const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+        unsigned long long i = first;
+        for (; i + 3 * stride < n8; i += 4 * stride) {
+            uint4 u[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __bfloat1622float2(h[j]);
-                m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-            }
+            for (int k = 0; k < 4; ++k) u[k] = x8[i + k * stride];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) m = fmaxf(m, absmax8(u[k]));
         }
+        for (; i < n8; i += stride) m = fmaxf(m, absmax8(x8[i]));
         done = n8 * 8;
     }
     for (unsigned long long i = done + first; i < n; i += stride) m = fmaxf(m, fabsf(__bfloat162float(x[i])));
+    m = block_max(m);
+    if (threadIdx.x == 0) partial[blockIdx.x] = __float_as_uint(m);
+}
+
+// 8 values -> 8 FP8 bytes (the first in the lowest byte) as two words.
+__device__ __forceinline__ uint2 fp8x8(uint4 u, float s, int e5m2) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    unsigned int w[2];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-    __shared__ float part[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) part[warp] = m;
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-        if (lane == 0) atomicMax(amax, __float_as_uint(m));
+    for (int j = 0; j < 2; ++j) {
+        const float2 a = __bfloat1622float2(h[2 * j]), b = __bfloat1622float2(h[2 * j + 1]);
+        w[j] = (unsigned int)fp8x2(__fmul_rn(a.x, s), __fmul_rn(a.y, s), e5m2) |
+               ((unsigned int)fp8x2(__fmul_rn(b.x, s), __fmul_rn(b.y, s), e5m2) << 16);
     }
+    return make_uint2(w[0], w[1]);
+}
+
+// Byte j of each of a, b, c, d, as one word (a's lowest).
+__device__ __forceinline__ unsigned int gather4(unsigned int a, unsigned int b, unsigned int c, unsigned int d, int j) {
+    const unsigned int sel = (unsigned int)j | ((unsigned int)(j + 4) << 4);
+    return __byte_perm(__byte_perm(a, b, sel), __byte_perm(c, d, sel), 0x5410);
 }
 
 // q = fp8(x * scale) for x [rows, cols] (row-major, contiguous) into out [rows, cols] and, when
-// out_t is not null, into out_t [cols, ld_t] (the transpose, which Hopper's FP8 GEMMs need for the
-// backward: they take only K-major operands; ld_t >= rows, the columns past rows untouched). Block (256) = 8 warps over a 64 x 64 tile, grid
-// (ceil(cols / 64), ceil(rows / 64)). Block (0, 0) writes scale_inv.
-#define FP8_TILE 64
-extern "C" __global__ void vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols,
-                                         const unsigned int* __restrict__ amax, float* __restrict__ scale_inv,
-                                         unsigned char* __restrict__ out, unsigned char* __restrict__ out_t,
-                                         int ld_t, int e5m2) {
-    __shared__ float tile[FP8_TILE][FP8_TILE + 1];
-    const float s = fp8_scale(amax, e5m2);
+// out_t is not null, into out_t [cols, ld_t] (the transpose, which Hopper's FP8 GEMMs need for
+// the backward: they take only K-major operands; ld_t >= rows, the columns past rows zeros or
+// untouched). The scale comes from the nparts amax partials of vime_fp8_amax.
+//
+// Block (256) over a 64 x 128 tile, grid (ceil(cols / 128), ceil(rows / 64)). The load: 16
+// threads a row, 8 values (16 bytes) each, four rows in flight per thread; the row-major store,
+// 8 bytes a thread. The tile's FP8 bytes go through shared memory (33 words a row) to the
+// transpose, where a thread gathers 4 columns x 8 rows with byte permutes and 8 threads store
+// one out_t row's 64 bytes. Block (0, 0) writes scale_inv.
+#define CT_ROWS 64
+#define CT_COLS 128
+#define CT_PITCH 33
+extern "C" __global__ void __launch_bounds__(256)
+vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int* __restrict__ partial,
+              int nparts, float* __restrict__ scale_inv, unsigned char* __restrict__ out,
+              unsigned char* __restrict__ out_t, int ld_t, int e5m2) {
+    __shared__ unsigned int tile[CT_ROWS * CT_PITCH];
+    float a = 0.f;
+    for (int i = threadIdx.x; i < nparts; i += blockDim.x) a = fmaxf(a, __uint_as_float(partial[i]));
+    a = block_max(a);
+    const float fmax = e5m2 ? 57344.f : 448.f;
+    const float s = (a > 0.f && a <= 3.402823466e38f) ? __fdiv_rn(fmax, a) : 1.f;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = __fdiv_rn(1.f, s);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
-    const int c = c0 + 2 * lane;
-    const bool pairs = (cols & 1) == 0;
-    for (int i = warp; i < FP8_TILE; i += 8) {
-        const int r = r0 + i;
-        if (r >= rows) break;
-        const size_t at = (size_t)r * cols + c;
-        float v0 = 0.f, v1 = 0.f;
-        if (c < cols) v0 = __fmul_rn(__bfloat162float(x[at]), s);
-        if (c + 1 < cols) v1 = __fmul_rn(__bfloat162float(x[at + 1]), s);
-        tile[i][2 * lane] = v0;
-        tile[i][2 * lane + 1] = v1;
-        if (pairs && c + 1 < cols) {
-            *reinterpret_cast<unsigned short*>(out + at) = fp8x2(v0, v1, e5m2);
-        } else {
-            if (c < cols) out[at] = fp8x1(v0, e5m2);
-            if (c + 1 < cols) out[at + 1] = fp8x1(v1, e5m2);
+    const int r0 = blockIdx.y * CT_ROWS, c0 = blockIdx.x * CT_COLS;
+    const int seg = threadIdx.x & 15, sub = threadIdx.x >> 4;
+    const int c = c0 + 8 * seg;
+    // With cols a multiple of 8 (and x 16-byte aligned), a segment is all in or all out.
+    const bool vec = (cols & 7) == 0 && ((uintptr_t)x & 15) == 0;
+    uint4 u[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int r = r0 + sub + 16 * p;
+        u[p] = make_uint4(0, 0, 0, 0);
+        if (r < rows && c < cols) {
+            const size_t at = (size_t)r * cols + c;
+            if (vec) {
+                u[p] = *reinterpret_cast<const uint4*>(x + at);
+            } else {
+                unsigned short e[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int k = 0; k < 8 && c + k < cols; ++k) e[k] = __bfloat16_as_ushort(x[at + k]);
+                u[p] = make_uint4(e[0] | ((unsigned)e[1] << 16), e[2] | ((unsigned)e[3] << 16),
+                                  e[4] | ((unsigned)e[5] << 16), e[6] | ((unsigned)e[7] << 16));
+            }
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        const int i = sub + 16 * p, r = r0 + i;
+        const uint2 q = fp8x8(u[p], s, e5m2);
+        tile[i * CT_PITCH + 2 * seg] = q.x;
+        tile[i * CT_PITCH + 2 * seg + 1] = q.y;
+        if (r < rows && c < cols) {
+            const size_t at = (size_t)r * cols + c;
+            if ((cols & 7) == 0) {
+                *reinterpret_cast<uint2*>(out + at) = q;
+            } else {
+                for (int k = 0; k < 8 && c + k < cols; ++k) out[at + k] = (unsigned char)((k < 4 ? q.x : q.y) >> (8 * (k & 3)));
+            }
         }
     }
     if (out_t == nullptr) return;
     __syncthreads();
-    const int r = r0 + 2 * lane;
-    const bool pairs_t = (ld_t & 1) == 0;
-    for (int j = warp; j < FP8_TILE; j += 8) {
-        const int cc = c0 + j;
+    const int g = threadIdx.x & 7, qd = threadIdx.x >> 3;
+    const int rr = r0 + 8 * g;
+    if (rr >= rows) return;
+    unsigned int w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = tile[(8 * g + i) * CT_PITCH + qd];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int cc = c0 + 4 * qd + j;
         if (cc >= cols) break;
-        const size_t at = (size_t)cc * ld_t + r;
-        const float v0 = tile[2 * lane][j], v1 = tile[2 * lane + 1][j];
-        if (pairs_t && r + 1 < rows) {
-            *reinterpret_cast<unsigned short*>(out_t + at) = fp8x2(v0, v1, e5m2);
+        const uint2 t = make_uint2(gather4(w[0], w[1], w[2], w[3], j), gather4(w[4], w[5], w[6], w[7], j));
+        const size_t at = (size_t)cc * ld_t + rr;
+        // Rows past `rows` in the tile are zeros: with ld_t a multiple of 8 they fit in the row.
+        if ((ld_t & 7) == 0) {
+            *reinterpret_cast<uint2*>(out_t + at) = t;
         } else {
-            if (r < rows) out_t[at] = fp8x1(v0, e5m2);
-            if (r + 1 < rows) out_t[at + 1] = fp8x1(v1, e5m2);
+            for (int k = 0; k < 8 && rr + k < rows; ++k) out_t[at + k] = (unsigned char)((k < 4 ? t.x : t.y) >> (8 * (k & 3)));
         }
     }
 }

@@ -1606,16 +1606,18 @@ fn report(failures: &mut Vec<String>, op: &str, shape: &str, detail: &str, ok: b
 
 /// FP8 quantization (`cuda/fp8.cu`) bit for bit against the CPU reference of `vime_kernels::fp8`
 /// (bits, transpose and scale), at a projection's shape with an outlier, an odd shape (the
-/// kernels' unpaired tails) in E5M2 and an all-zero tensor; then the FP8 GEMM (cuBLASLt) against
+/// kernels' scalar tails) in E5M2, unpadded and with its rows padded to 16 (the transpose's
+/// vector stores over zero rows), and an all-zero tensor; then the FP8 GEMM (cuBLASLt) against
 /// the f64 product of the dequantized operands: a bf16 output, and a weight gradient added to an
 /// f32 sum (E5M2 x E4M3), plus the error for a shape Hopper's FP8 GEMMs cannot take.
 fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     use vime_kernels::cuda::{fp8_matmul_t, Fp8Operand};
-    use vime_kernels::fp8::{quantize, Fp8Format, Fp8Tensor};
-    for (rows, cols, fmt, scale) in [
-        (1040usize, 2560usize, Fp8Format::E4M3, 1.0f32),
-        (70, 37, Fp8Format::E5M2, 1e-3),
-        (64, 96, Fp8Format::E4M3, 0.0),
+    use vime_kernels::fp8::{quantize, quantize_padded, Fp8Format, Fp8Tensor};
+    for (rows, cols, fmt, scale, pad) in [
+        (1040usize, 2560usize, Fp8Format::E4M3, 1.0f32, 1usize),
+        (70, 37, Fp8Format::E5M2, 1e-3, 1),
+        (70, 37, Fp8Format::E5M2, 1e-3, 16),
+        (64, 96, Fp8Format::E4M3, 0.0, 1),
     ] {
         let x = (rng.randn(&[rows, cols], 1.0, DType::F32, &Device::Cpu)? * scale as f64)?;
         let x = if scale > 0.0 {
@@ -1624,8 +1626,8 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
             x
         };
         let x = x.to_dtype(DType::BF16)?;
-        let want = quantize(&x, fmt, true)?;
-        let got = quantize(&x.to_device(gpu)?, fmt, true)?;
+        let want = quantize_padded(&x, fmt, true, pad)?;
+        let got = quantize_padded(&x.to_device(gpu)?, fmt, true, pad)?;
         let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
             Ok(a.flatten_all()?.to_vec1::<u8>()? == b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?)
         };
@@ -1637,7 +1639,7 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
         report(
             failures,
             "fp8 quantize",
-            &format!("[{rows}, {cols}] {fmt:?} x{scale}"),
+            &format!("[{rows}, {cols}] rows padded to {pad}, {fmt:?} x{scale}"),
             &format!("bits {bits}, transpose {bits_t}, scale_inv {s_g:e} vs {s_w:e}"),
             ok,
         );

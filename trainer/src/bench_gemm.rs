@@ -182,6 +182,12 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
         shapes.sort_unstable();
         shapes.dedup();
         let ms = bench_quantize(&device, &shapes, args.reps)?;
+        for (&(r, c), t) in shapes.iter().zip(&ms) {
+            // Bytes moved: the amax reads x (2 bytes a value), the cast reads it again and
+            // writes the bits and their transpose (1 byte each).
+            let gb = 6.0 * (r * c) as f64 / 1e9;
+            println!("QUANT [{r}, {c}]: {t:.4} ms, {:.0} GB/s", gb / (t / 1e3));
+        }
         let of = |s: &(usize, usize)| ms[shapes.iter().position(|x| x == s).expect("timed")];
         let mut quant = 0.0;
         for (name, v) in &groups {

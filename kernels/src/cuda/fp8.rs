@@ -23,6 +23,10 @@ fn dev_of(t: &Tensor, what: &str) -> Result<CudaDevice> {
     }
 }
 
+/// The most blocks of the amax reduction: four per SM of an H200 keep ~64 KB of loads in flight
+/// per SM, and every block of the cast reads this many partials.
+const AMAX_BLOCKS: usize = 528;
+
 /// bf16 `x [rows, cols]` -> (FP8 bits `[rows_pad, cols]`, the transpose `[cols, rows_pad]` if
 /// asked, `scale_inv` f32 `[1]`), the rows past `rows` zero; see [`crate::fp8`]. Two launches, no
 /// host sync: the amax reduction and the cast, which reads the amax on the device.
@@ -42,7 +46,9 @@ pub(crate) fn fp8_quantize(
         i32_of("fp8 quantize", "cols", cols)?,
         i32_of("fp8 quantize", "padded rows", rows_pad)?,
     );
-    let amax = dev.alloc_zeros::<u32>(1)?;
+    // The amax's per-block partials (every one written: no zero-fill).
+    let parts = n.div_ceil(8 * 256 * 4).clamp(1, AMAX_BLOCKS);
+    let amax = unsafe { dev.alloc::<u32>(parts) }?;
     // Padding rows must read as zeros; without padding every byte is written.
     let buf = |len: usize| -> Result<CudaSlice<u8>> {
         if rows_pad > rows {
@@ -62,16 +68,15 @@ pub(crate) fn fp8_quantize(
     let tp = out_t.as_ref().map(|t| super::slice_addr(t, &dev)).unwrap_or(0);
     let n_u = n as u64;
     let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_amax")?;
-    let blocks = (n.div_ceil(8 * 256)).clamp(1, 132 * 8) as u32;
-    launch!(dev, f, super::cfg(blocks, 256), [&xp, &n_u, &ap]);
+    launch!(dev, f, super::cfg(parts as u32, 256), [&xp, &n_u, &ap]);
     let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_cast")?;
     let grid = LaunchConfig {
-        grid_dim: (cols.div_ceil(64).max(1) as u32, rows.div_ceil(64).max(1) as u32, 1),
+        grid_dim: (cols.div_ceil(128).max(1) as u32, rows.div_ceil(64).max(1) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let e = i32::from(e5m2);
-    launch!(dev, f, grid, [&xp, &r_i, &c_i, &ap, &sp, &op, &tp, &ld_i, &e]);
+    let (e, np) = (i32::from(e5m2), parts as i32);
+    launch!(dev, f, grid, [&xp, &r_i, &c_i, &ap, &np, &sp, &op, &tp, &ld_i, &e]);
     Ok((
         device_tensor(out, &dev, (rows_pad, cols)),
         out_t.map(|t| device_tensor(t, &dev, (cols, rows_pad))),
