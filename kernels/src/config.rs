@@ -112,6 +112,11 @@ pub struct KernelConfig {
     /// run their GEMMs in FP8 (`crate::fp8`): E4M3 weights and activations, E5M2 gradients,
     /// one scale per tensor from its own amax. The LM head, norms and attention stay bf16.
     fp8: bool,
+    /// The most bytes of f32 logits the LM head's training forward on CUDA keeps for its
+    /// backward (which otherwise runs the logits GEMM again: the same bits either way). `None`:
+    /// 1/16 of the device's memory (8.9 GB on an H200: 14.6k tokens of Qwen3's 151,936-entry
+    /// vocabulary); `Some(0)`: always recompute.
+    head_logits_max_bytes: Option<usize>,
     /// Set once cuDNN failed under `auto` + `fallback`: every later call runs the flash kernel.
     cudnn_off: Arc<AtomicBool>,
 }
@@ -139,8 +144,21 @@ impl KernelConfig {
             batch_invariant: false,
             decode_kernel: DecodeKernel::default(),
             fp8: false,
+            head_logits_max_bytes: None,
             cudnn_off: Arc::default(),
         })
+    }
+
+    /// This config with the LM head keeping at most `bytes` of logits (see the field's docs;
+    /// `None`: the default share of device memory).
+    pub fn with_head_logits_max_bytes(mut self, bytes: Option<usize>) -> Self {
+        self.head_logits_max_bytes = bytes;
+        self
+    }
+
+    /// The most bytes of logits the LM head keeps on a device of `device_bytes` memory.
+    pub fn head_logits_max_bytes(&self, device_bytes: usize) -> usize {
+        self.head_logits_max_bytes.unwrap_or(device_bytes / 16)
     }
 
     /// This config with the batch-invariant kernels on or off (see the field's docs).

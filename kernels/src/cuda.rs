@@ -847,13 +847,54 @@ pub(crate) fn lm_head_fwd(
     chunk_tokens: usize,
     invariant: bool,
 ) -> Result<(CudaStorage, Shape)> {
+    lm_head_fwd_keep(h, lh, w, lw, targets, chunk_tokens, invariant, false).map(|(o, s, _)| (o, s))
+}
+
+/// [`lm_head_fwd_keep`] on tensors, keeping the logits: (the `[T, 3]` output, the `[T * V]` f32
+/// logits).
+pub(crate) fn lm_head_fwd_kept(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[u32],
+    chunk_tokens: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (hs, lh) = h.storage_and_layout();
+    let (ws, lw) = w.storage_and_layout();
+    let (Storage::Cuda(hs), Storage::Cuda(ws)) = (&*hs, &*ws) else {
+        bail!("logprobs_entropy: tensors must be on a CUDA device");
+    };
+    let (t, v) = (lh.dims()[0], lw.dims()[0]);
+    let (out, shape, kept) = lm_head_fwd_keep(hs, lh, ws, lw, targets, chunk_tokens, false, true)?;
+    let dev = hs.device.clone();
+    let out = Tensor::from_storage(Storage::Cuda(out), shape, candle_core::op::BackpropOp::none(), false);
+    let kept = match kept {
+        Some(k) => device_tensor(k, &dev, t * v),
+        None => device_tensor(dev.alloc_zeros::<f32>(1)?, &dev, 0),
+    };
+    Ok((out, kept))
+}
+
+/// [`lm_head_fwd`], with `keep`: every logits block left in one `[T * V]` f32 buffer (returned;
+/// the blocks in the order of the loops, token chunk then vocabulary chunk, each `[rows, vc]`),
+/// which [`lm_head_bwd_into`] then reads instead of running the logits GEMM again.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn lm_head_fwd_keep(
+    h: &CudaStorage,
+    lh: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    targets: &[u32],
+    chunk_tokens: usize,
+    invariant: bool,
+    keep: bool,
+) -> Result<(CudaStorage, Shape, Option<CudaSlice<f32>>)> {
     check_bf16("logprobs_entropy", &[h.dtype(), w.dtype()])?;
     let dev = &h.device;
     let (t, hid) = (lh.dims()[0], lh.dims()[1]);
     let v = lw.dims()[0];
     let out = dev.alloc_zeros::<f32>((t * 3).max(1))?;
     if t == 0 {
-        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((0, 3))));
+        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((0, 3)), None));
     }
     let hp = addr::<bf16>(h, lh, "logprobs_entropy")?;
     let wp = addr::<bf16>(w, lw, "logprobs_entropy")?;
@@ -865,13 +906,18 @@ pub(crate) fn lm_head_fwd(
     let sp = slice_addr(&stats, dev);
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
-    let logits = unsafe { dev.alloc::<f32>(rows_max * vc_max) }?;
-    let lp = slice_addr(&logits, dev);
+    let logits = unsafe { dev.alloc::<f32>(if keep { t * v } else { rows_max * vc_max }) }?;
+    let base = slice_addr(&logits, dev);
     let f_stats = ops_fn(dev, "vime_lmhead_stats")?;
+    let mut kept_at = 0u64;
     for row0 in (0..t).step_by(rows_max) {
         let rows = rows_max.min(t - row0);
         for v0 in (0..v).step_by(vc_max) {
             let vc = vc_max.min(v - v0);
+            let lp = base + kept_at;
+            if keep {
+                kept_at += (rows * vc * 4) as u64;
+            }
             let (wc, hr) = (wp + (v0 * hid * 2) as u64, hp + (row0 * hid * 2) as u64);
             if invariant {
                 // The same logits bits whatever the row count (see `crate::invariant`).
@@ -894,7 +940,11 @@ pub(crate) fn lm_head_fwd(
     let t_i = i32_of("logprobs_entropy", "tokens", t)?;
     let f = ops_fn(dev, "vime_lmhead_finish")?;
     launch!(dev, f, cfg(grid_for(t, 256), 256), [&sp, &tgp, &op, &t_i]);
-    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((t, 3))))
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from((t, 3)),
+        keep.then_some(logits),
+    ))
 }
 
 /// Backward: packed `[d_hidden (flat) ++ d_lm_head (flat)]`, bf16. `grad` is the gradient of the
@@ -924,7 +974,7 @@ pub(crate) fn lm_head_bwd(
         let dhidden = slice_addr(&out, dev);
         let dw = DwOut::Bf16(dhidden + (t * hid * 2) as u64);
         let dims = (t, hid, v, lg.dims());
-        lm_head_bwd_core(dev, hp, wp, gp, fwd_out, targets, chunk_tokens, dims, dhidden, dw)?;
+        lm_head_bwd_core(dev, hp, wp, gp, fwd_out, targets, chunk_tokens, dims, dhidden, dw, None)?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -944,6 +994,7 @@ pub(crate) fn lm_head_bwd_into(
     targets: &[u32],
     chunk_tokens: usize,
     dw_sum: &Tensor,
+    kept: Option<&Tensor>,
 ) -> Result<Tensor> {
     check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
     check_head_grad(grad.dtype(), fwd_out)?;
@@ -971,6 +1022,17 @@ pub(crate) fn lm_head_bwd_into(
         let gp = tensor_addr::<f32>(grad, "logprobs_entropy backward gradient")?;
         let dw = DwOut::F32Sum(tensor_addr::<f32>(dw_sum, "logprobs_entropy backward sum")?);
         let dims = (t, hid, v, grad.dims());
+        let kept = match kept {
+            Some(k) if k.dims() == [t * v] && k.dtype() == DType::F32 => {
+                Some(tensor_addr::<f32>(k, "logprobs_entropy backward kept logits")?)
+            }
+            Some(k) => bail!(
+                "logprobs_entropy backward: kept logits {:?} {:?} for [{t}, {v}]",
+                k.dtype(),
+                k.dims()
+            ),
+            None => None,
+        };
         lm_head_bwd_core(
             &dev,
             hp,
@@ -982,6 +1044,7 @@ pub(crate) fn lm_head_bwd_into(
             dims,
             slice_addr(&out, &dev),
             dw,
+            kept,
         )?;
     }
     Ok(device_tensor(out, &dev, (t, hid)))
@@ -1004,7 +1067,9 @@ enum DwOut {
 }
 
 /// The chunked GEMMs of the LM head's backward. `dims`: (T, H, V, the gradient's dims); `dhidden`
-/// receives `d_hidden` in bf16 (f32-accumulated over vocabulary chunks).
+/// receives `d_hidden` in bf16 (f32-accumulated over vocabulary chunks). `kept`: the forward's
+/// logits ([`lm_head_fwd_keep`]), read instead of computed again; the same bits, since the
+/// recompute is the same GEMM on the same block.
 #[allow(clippy::too_many_arguments)]
 fn lm_head_bwd_core(
     dev: &CudaDevice,
@@ -1017,6 +1082,7 @@ fn lm_head_bwd_core(
     dims: (usize, usize, usize, &[usize]),
     dhidden: u64,
     dw: DwOut,
+    kept: Option<u64>,
 ) -> Result<()> {
     let (t, hid, v, gdims) = dims;
     if gdims != [t, 3] || fwd_out.dims() != [t, 3] {
@@ -1033,8 +1099,9 @@ fn lm_head_bwd_core(
     let dhp = slice_addr(&dh_acc, dev);
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
-    let logits = unsafe { dev.alloc::<f32>(rows_max * vc_max) }?;
-    let lp = slice_addr(&logits, dev);
+    // The recomputed logits' block (unused when they are kept).
+    let logits = unsafe { dev.alloc::<f32>(if kept.is_some() { 1 } else { rows_max * vc_max }) }?;
+    let mut kept_at = 0u64;
     let dz = unsafe { dev.alloc::<bf16>(rows_max * vc_max) }?;
     let dzp = slice_addr(&dz, dev);
     // Into bf16, dW is accumulated over token chunks in f32 when there is more than one chunk.
@@ -1049,9 +1116,20 @@ fn lm_head_bwd_core(
             let vc = vc_max.min(v - v0);
             let wc = wp + (v0 * hid * 2) as u64;
             let hr = hp + (row0 * hid * 2) as u64;
-            unsafe {
-                gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)?;
-            }
+            let lp = match kept {
+                Some(base) => {
+                    let lp = base + kept_at;
+                    kept_at += (rows * vc * 4) as u64;
+                    lp
+                }
+                None => {
+                    let lp = slice_addr(&logits, dev);
+                    unsafe {
+                        gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)?;
+                    }
+                    lp
+                }
+            };
             let (vc_i, v0_i, row0_i) = (vc as i32, v0 as i32, row0 as i32);
             launch!(
                 dev,

@@ -144,12 +144,52 @@ pub fn matmul_t(
     out: DType,
     fast: bool,
 ) -> Result<Tensor> {
+    product(x, xs, w, ws, acc, out, fast, false)
+}
+
+/// One GEMM operand pair of [`matmul_t_sum`]: `x`, `xs`, `w`, `ws` as [`matmul_t`] takes them.
+pub type Fp8Term<'a> = (&'a Fp8Tensor, Side, &'a Fp8Tensor, Side);
+
+/// `sum_i x_i . w_i^T` (all `x_i` with the same rows) into a new `[n, m]` of dtype `out`: each
+/// product after the first added by its GEMM to the sum of those before (on CUDA in the
+/// epilogue, so one rounding to `out` a term and no add pass), the padding rows dropped once at
+/// the end. What an input gradient through several projections of one input is (q/k/v, gate/up).
+pub fn matmul_t_sum(terms: &[Fp8Term<'_>], out: DType, fast: bool) -> Result<Tensor> {
+    let Some(((x0, xs0, _, _), _)) = terms.split_first() else {
+        bail!("fp8 matmul_t_sum: no terms");
+    };
+    let mut acc = None;
+    for &(x, xs, w, ws) in terms {
+        if xs != *xs0 || x.rows != x0.rows {
+            bail!("fp8 matmul_t_sum: the terms' x differ in rows or side");
+        }
+        acc = Some(product(x, xs, w, ws, acc, out, fast, true)?);
+    }
+    let sum = acc.expect("one term at least");
+    match xs0 {
+        Side::Rows if x0.rows < sum.dim(0)? => sum.narrow(0, 0, x0.rows),
+        _ => Ok(sum),
+    }
+}
+
+/// [`matmul_t`], with the padding rows of a new output kept when `keep_pad`.
+#[allow(clippy::too_many_arguments)]
+fn product(
+    x: &Fp8Tensor,
+    xs: Side,
+    w: &Fp8Tensor,
+    ws: Side,
+    acc: Option<Tensor>,
+    out: DType,
+    fast: bool,
+    keep_pad: bool,
+) -> Result<Tensor> {
     let (xb, wb) = (x.bits(xs)?, w.bits(ws)?);
     // x's zero padding rows (see `quantize_padded`) give zero rows of the product: a new output
     // drops them (a view of its first rows), a sum must have them.
     let unpad = |t: Tensor| -> Result<Tensor> {
         match xs {
-            Side::Rows if x.rows < t.dim(0)? => t.narrow(0, 0, x.rows),
+            Side::Rows if !keep_pad && x.rows < t.dim(0)? => t.narrow(0, 0, x.rows),
             _ => Ok(t),
         }
     };
@@ -199,7 +239,8 @@ pub fn matmul_t(
             if a.dims() != [n, m] {
                 bail!("fp8 matmul_t: the sum is {:?}, the product [{n}, {m}]", a.dims());
             }
-            Ok((&a + p.to_dtype(a.dtype())?)?)
+            // As the GEMM's epilogue: the product plus the sum in f32, rounded once.
+            (a.to_dtype(DType::F32)? + p.to_dtype(DType::F32)?)?.to_dtype(a.dtype())
         }
         None => unpad(p.to_dtype(out)?),
     }
@@ -330,6 +371,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_sum_of_products_rounds_once_a_term_and_drops_the_padding_rows_at_the_end() {
+        let g = |r: usize, c: usize, seed: u64| -> Tensor {
+            let v: Vec<f32> = (0..r * c)
+                .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0) * 3.0)
+                .collect();
+            Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap()
+        };
+        // x rows 5, padded to 16; two terms, w [m = 3, k = 4] each.
+        let q = |t: &Tensor, f| quantize_padded(t, f, false, 16).unwrap();
+        let (x1, x2) = (q(&g(5, 4, 1), Fp8Format::E5M2), q(&g(5, 4, 2), Fp8Format::E5M2));
+        let (w1, w2) = (quantize(&g(3, 4, 3), Fp8Format::E4M3, false).unwrap(), quantize(&g(3, 4, 4), Fp8Format::E4M3, false).unwrap());
+        let s = matmul_t_sum(
+            &[(&x1, Side::Rows, &w1, Side::Rows), (&x2, Side::Rows, &w2, Side::Rows)],
+            DType::BF16,
+            false,
+        )
+        .unwrap();
+        assert_eq!(s.dims(), [5, 3]);
+        // The reference: each product of the dequantized operands in f64, the running sum
+        // rounded to bf16 after each term.
+        let d = |t: &Fp8Tensor| t.dequantize().unwrap().to_dtype(DType::F64).unwrap();
+        let p = |x: &Fp8Tensor, w: &Fp8Tensor| d(x).narrow(0, 0, 5).unwrap().matmul(&d(w).t().unwrap()).unwrap();
+        let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F64).unwrap();
+        let want = bf((bf(p(&x1, &w1)) + p(&x2, &w2)).unwrap());
+        let got = s.to_dtype(DType::F64).unwrap();
+        assert_eq!(got.to_vec2::<f64>().unwrap(), want.to_vec2::<f64>().unwrap());
+        assert!(matmul_t_sum(&[], DType::BF16, false).is_err());
+        let mixed = matmul_t_sum(&[(&x1, Side::Rows, &w1, Side::Rows), (&w1, Side::Rows, &w1, Side::Rows)], DType::BF16, false);
+        assert!(mixed.is_err(), "terms with different rows are refused");
     }
 
     #[test]

@@ -16,6 +16,11 @@
 //!   backward recomputes the logits rather than saving anything from the forward. Besides that
 //!   block, the backward holds the `[V, H]` `d_lm_head` accumulator and one `[V, H]` per-chunk
 //!   product that is added into it.
+//! - On CUDA, a training forward ([`logprobs_entropy_saved_with`]) keeps the f32 logits instead
+//!   when they fit `KernelConfig::head_logits_max_bytes` (by default 1/16 of device memory), and
+//!   the backward ([`logprobs_entropy_backward_into`]) reads them rather than running the logits
+//!   GEMM again: a third of the head's GEMM time, for `4 T V` bytes alive between the two. The
+//!   bits are the same, the recompute being the same GEMM on the same block.
 //! - The GEMMs are candle's CPU matmul called on the storages with strided layouts (a row range
 //!   of `hidden`, `lm_head` transposed, `dz` transposed), so f32/f64 weights are used in place
 //!   without a copy. bf16/f16 inputs are widened to f32 once (the whole `lm_head`, a `[V, H]` f32
@@ -132,6 +137,11 @@ enum SavedLmHead {
         op: LmHead,
         /// The op's raw output (`[T, 2]`, or `[T, 3]` with the log-sum-exp on CUDA).
         out: Tensor,
+        /// On CUDA, the forward's f32 logits when they fit `KernelConfig::head_logits_max_bytes`
+        /// (`[T * V]`, in the kernels' block order), which the backward reads instead of
+        /// computing them again.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        logits: Option<Tensor>,
     },
     /// The composed op's graph, its output `[T, 2]` (logprob, entropy).
     Graph(crate::composed::Graph),
@@ -174,9 +184,23 @@ pub fn logprobs_entropy_saved_with(
         chunk_tokens,
         invariant: kernels.batch_invariant(),
     };
-    let out = hidden.contiguous()?.apply_op2_no_bwd(&lm_head.contiguous()?, &op)?;
+    let (hidden, lm_head) = (hidden.contiguous()?, lm_head.contiguous()?);
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = hidden.device() {
+        // The logits of a training forward (the backward's GEMM then skipped), when they fit.
+        let bytes = hidden.dim(0)? * lm_head.dim(0)? * 4;
+        let cap = kernels.head_logits_max_bytes(dev.cuda_stream().context().total_mem().unwrap_or(0));
+        if fused && !op.invariant && bytes > 0 && bytes <= cap {
+            let (out, logits) = crate::cuda::lm_head_fwd_kept(&hidden, &lm_head, targets, chunk_tokens)?;
+            let (logprobs, entropy) = split(&out)?;
+            let logits = Some(logits);
+            return Ok((logprobs, entropy, LmHeadSaved(SavedLmHead::Kernel { op, out, logits })));
+        }
+    }
+    let out = hidden.apply_op2_no_bwd(&lm_head, &op)?;
     let (logprobs, entropy) = split(&out)?;
-    Ok((logprobs, entropy, LmHeadSaved(SavedLmHead::Kernel { op, out })))
+    let logits = None;
+    Ok((logprobs, entropy, LmHeadSaved(SavedLmHead::Kernel { op, out, logits })))
 }
 
 /// The backward of [`logprobs_entropy_saved`]: `(d_hidden, d_lm_head)` (input dtype) for the
@@ -189,7 +213,7 @@ pub fn logprobs_entropy_backward(
     d_entropy: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
     let (op, out) = match &saved.0 {
-        SavedLmHead::Kernel { op, out } => (op, out),
+        SavedLmHead::Kernel { op, out, .. } => (op, out),
         SavedLmHead::Graph(graph) => {
             let d = Tensor::stack(&[d_logprobs.clone(), d_entropy.to_dtype(d_logprobs.dtype())?], 1)?;
             let mut g = graph.backward(&d)?.into_iter();
@@ -243,7 +267,7 @@ pub fn logprobs_entropy_backward_into(
         );
     }
     #[cfg(feature = "cuda")]
-    if let SavedLmHead::Kernel { op, out } = &saved.0 {
+    if let SavedLmHead::Kernel { op, out, logits } = &saved.0 {
         if out.device().is_cuda() && sum.dtype() == candle_core::DType::F32 && sum.is_contiguous() {
             let grad = output_grad(out, d_logprobs, d_entropy)?;
             let dh = crate::cuda::lm_head_bwd_into(
@@ -254,6 +278,7 @@ pub fn logprobs_entropy_backward_into(
                 &op.targets,
                 op.chunk_tokens,
                 &sum,
+                logits.as_ref(),
             )?;
             return Ok((dh, sum));
         }

@@ -712,7 +712,9 @@ fn check_weight_grad_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
 
 /// The LM head's backward into a running f32 sum (`logprobs_entropy_backward_into`, the GEMMs
 /// adding into the sum in place, beta 1) against the CPU kernel's backward on the same values in
-/// f32: in one token chunk and in several, over a vocabulary of three chunks (the last partial).
+/// f32: in one token chunk and in several, over a vocabulary of three chunks (the last partial);
+/// with the forward's logits kept for the backward (the default) and recomputed (a cap of 0),
+/// which must give the same bits.
 fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let (t, hid, vocab) = (200usize, 2560usize, 40_000usize);
     let h = rng.randn(&[t, hid], 1.0, DType::BF16, &Device::Cpu)?;
@@ -725,22 +727,33 @@ fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
     let sum = rng.randn(&[vocab, hid], 1e-3, DType::F32, &Device::Cpu)?;
     let (h32, lm32) = (h.to_dtype(DType::F32)?, lm.to_dtype(DType::F32)?);
     let mut worst = 0f64;
-    let mut in_place = true;
+    let (mut in_place, mut same_bits) = (true, true);
     for chunk in [64usize, 4096] {
         let (_, _, saved) = vime_kernels::logprobs_entropy_saved(&h32, &lm32, &targets, chunk)?;
         let (dh_want, dw_want) = vime_kernels::logprobs_entropy_backward(&saved, &h32, &lm32, &dlp, &dent)?;
         let (hg, lmg) = (h.to_device(gpu)?, lm.to_device(gpu)?);
-        let (_, _, saved) = vime_kernels::logprobs_entropy_saved(&hg, &lmg, &targets, chunk)?;
-        let sum_g = sum.to_device(gpu)?;
-        let (dh, got) = vime_kernels::logprobs_entropy_backward_into(
-            &saved,
-            &hg,
-            &lmg,
-            &dlp.to_device(gpu)?,
-            &dent.to_device(gpu)?,
-            sum_g.clone(),
-        )?;
-        in_place &= max_abs_diff(&got, &sum_g)? == 0.0;
+        // The default keeps the forward's logits for the backward; a cap of 0 computes them
+        // again. The same bits either way.
+        let mut runs = Vec::new();
+        for cap in [None, Some(0)] {
+            let kc = vime_kernels::KernelConfig::default().with_head_logits_max_bytes(cap);
+            let (_, _, saved) = vime_kernels::logprobs_entropy_saved_with(&hg, &lmg, &targets, chunk, &kc)?;
+            let sum_g = sum.to_device(gpu)?;
+            let (dh, got) = vime_kernels::logprobs_entropy_backward_into(
+                &saved,
+                &hg,
+                &lmg,
+                &dlp.to_device(gpu)?,
+                &dent.to_device(gpu)?,
+                sum_g.clone(),
+            )?;
+            in_place &= max_abs_diff(&got, &sum_g)? == 0.0;
+            runs.push((dh, got));
+        }
+        let (kept, again) = (&runs[0], &runs[1]);
+        same_bits &= max_abs_diff(&kept.0.to_dtype(DType::F32)?, &again.0.to_dtype(DType::F32)?)? == 0.0
+            && max_abs_diff(&kept.1, &again.1)? == 0.0;
+        let (dh, got) = runs.swap_remove(0);
         worst = worst
             .max(rel_err(&(got.to_device(&Device::Cpu)? - &sum)?, &dw_want)?)
             .max(rel_err(&dh.to_device(&Device::Cpu)?.to_dtype(DType::F32)?, &dh_want)?);
@@ -749,8 +762,10 @@ fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
         failures,
         "logprobs_entropy into sum",
         &format!("[{t}, {hid}] x [{vocab}, {hid}] bf16 + f32 sum"),
-        &format!("rel err {worst:.1e} (dW sum and d_hidden, 1 and 4 chunks), in place {in_place}"),
-        worst <= TOL && in_place,
+        &format!(
+            "rel err {worst:.1e} (dW sum and d_hidden, 1 and 4 chunks), in place {in_place}, kept logits = recomputed bits {same_bits}"
+        ),
+        worst <= TOL && in_place && same_bits,
     );
     Ok(())
 }
@@ -1608,8 +1623,9 @@ fn report(failures: &mut Vec<String>, op: &str, shape: &str, detail: &str, ok: b
 /// (bits, transpose and scale), at a projection's shape with an outlier, an odd shape (the
 /// kernels' scalar tails) in E5M2, unpadded and with its rows padded to 16 (the transpose's
 /// vector stores over zero rows), and an all-zero tensor; then the FP8 GEMM (cuBLASLt) against
-/// the f64 product of the dequantized operands: a bf16 output, and a weight gradient added to an
-/// f32 sum (E5M2 x E4M3), plus the error for a shape Hopper's FP8 GEMMs cannot take.
+/// the f64 product of the dequantized operands: a bf16 output, a weight gradient added to an
+/// f32 sum (E5M2 x E4M3), the error for a shape Hopper's FP8 GEMMs cannot take, and a two-term
+/// input gradient summed in bf16 by the GEMMs (`matmul_t_sum`) with padded rows.
 fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     use vime_kernels::cuda::{fp8_matmul_t, Fp8Operand};
     use vime_kernels::fp8::{quantize, quantize_padded, Fp8Format, Fp8Tensor};
@@ -1684,6 +1700,36 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
         &format!("sum [{m}, {k}] + [{m}, {n}] E5M2 . [{k}, {n}]^T E4M3"),
         &format!("rel err vs f64 {err:.1e}, shape error {named}"),
         ok,
+    );
+    // An input gradient through two projections (gate/up's): the second GEMM adds into the
+    // first's bf16 output, x's rows padded (1030 -> 1040) and dropped at the end.
+    let rows = 1030;
+    let qp = |t: &Tensor, fmt| -> Result<Fp8Tensor> {
+        vime_kernels::fp8::quantize_padded(&t.to_dtype(DType::BF16)?.to_device(gpu)?, fmt, false, 16)
+    };
+    let (g1, g2) = (
+        qp(&rng.randn(&[rows, k], 1e-3, DType::F32, &Device::Cpu)?, Fp8Format::E5M2)?,
+        qp(&rng.randn(&[rows, k], 1e-3, DType::F32, &Device::Cpu)?, Fp8Format::E5M2)?,
+    );
+    let (w1, w2) = (
+        q(&rng.randn(&[m, k], 0.02, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?,
+        q(&rng.randn(&[m, k], 0.02, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?,
+    );
+    let p = |x: &Fp8Tensor, w: &Fp8Tensor| -> Result<Tensor> { f64_of(x)?.narrow(0, 0, rows)?.matmul(&f64_of(w)?.t()?) };
+    let want = (p(&g1, &w1)? + p(&g2, &w2)?)?;
+    use vime_kernels::fp8::{matmul_t_sum, Side};
+    let got = matmul_t_sum(
+        &[(&g1, Side::Rows, &w1, Side::Rows), (&g2, Side::Rows, &w2, Side::Rows)],
+        DType::BF16,
+        false,
+    )?;
+    let err = rel_err(&got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?, &want)?;
+    report(
+        failures,
+        "fp8 matmul_t_sum bf16",
+        &format!("[{rows} (pad 1040), {k}] . [{m}, {k}]^T x 2 E5M2 . E4M3"),
+        &format!("dims {:?}, rel err vs f64 {err:.1e}", got.dims()),
+        got.dims() == [rows, m] && got.dtype() == DType::BF16 && err <= TOL,
     );
     Ok(())
 }

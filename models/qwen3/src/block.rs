@@ -432,19 +432,6 @@ impl Weight<'_> {
     }
 }
 
-/// `dyq · W` in FP8 (the input gradient, from the weight's transpose), bf16 out.
-fn dgrad_fp8(dyq: &Fp8Tensor, w: Weight) -> Result<Tensor> {
-    Ok(fp8::matmul_t(
-        dyq,
-        Side::Rows,
-        &*w.fp8()?,
-        Side::Transposed,
-        None,
-        candle_core::DType::BF16,
-        false,
-    )?)
-}
-
 /// The sum of a partial result over the tensor-parallel group (nothing at all at TP = 1: no copy).
 fn tp_sum(tp: &dyn Collectives, t: Tensor) -> Result<Tensor> {
     if tp.size() == 1 {
@@ -543,6 +530,22 @@ fn put_wgrad_fp8(grads: &mut BTreeMap<String, Tensor>, name: String, dyq: &Fp8Te
 }
 
 impl Block {
+    /// `sum_i dyq_i · W_i` in FP8 (from the weights' transposes), bf16: the input gradient of
+    /// one input through its projections, each GEMM adding into the sum of the ones before (no
+    /// add passes).
+    fn dgrad_fp8_sum(&self, ctx: &BlockCtx, terms: &[(&Fp8Tensor, Proj)]) -> Result<Tensor> {
+        let ws = terms
+            .iter()
+            .map(|&(_, p)| self.weight(ctx, p).fp8())
+            .collect::<Result<Vec<_>>>()?;
+        let t: Vec<fp8::Fp8Term<'_>> = terms
+            .iter()
+            .zip(&ws)
+            .map(|(&(dyq, _), w)| (dyq, Side::Rows, &**w, Side::Transposed))
+            .collect();
+        Ok(fp8::matmul_t_sum(&t, candle_core::DType::BF16, false)?)
+    }
+
     /// A linear weight as the FP8 helpers take it.
     fn weight<'a>(&'a self, ctx: &'a BlockCtx, p: Proj) -> Weight<'a> {
         let (name, var) = match p {
@@ -814,16 +817,13 @@ impl Block {
             LinearInputs::Fp8(f) => {
                 let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
                 put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
-                let ds = dgrad_fp8(&dyq, self.weight(ctx, Proj::Down))?;
+                let ds = self.dgrad_fp8_sum(ctx, &[(&dyq, Proj::Down)])?;
                 drop((dyq, dy_all));
                 let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
                 drop(ds);
                 let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
                 drop((dg, du));
-                let dh2 = vime_kernels::add(
-                    &dgrad_fp8(&dgq, self.weight(ctx, Proj::Gate))?,
-                    &dgrad_fp8(&duq, self.weight(ctx, Proj::Up))?,
-                )?;
+                let dh2 = self.dgrad_fp8_sum(ctx, &[(&dgq, Proj::Gate), (&duq, Proj::Up)])?;
                 let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
                     put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
                     put_wgrad_fp8(grads, name("mlp.up_proj.weight"), &duq, &f.h2)
@@ -889,7 +889,7 @@ impl Block {
             Some(f) => {
                 let dq = fp8_of(&dx2_all, Fp8Format::E5M2, true)?;
                 put_wgrad_fp8(grads, name("self_attn.o_proj.weight"), &dq, &f.a2)?;
-                dgrad_fp8(&dq, self.weight(ctx, Proj::O))?
+                self.dgrad_fp8_sum(ctx, &[(&dq, Proj::O)])?
             }
             None => {
                 put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
@@ -948,13 +948,7 @@ impl Block {
             None => None,
         };
         let dh1 = match &qkv8 {
-            Some((_, q8, k8, v8)) => {
-                let a = vime_kernels::add(
-                    &dgrad_fp8(q8, self.weight(ctx, Proj::Q))?,
-                    &dgrad_fp8(k8, self.weight(ctx, Proj::K))?,
-                )?;
-                vime_kernels::add(&a, &dgrad_fp8(v8, self.weight(ctx, Proj::V))?)?
-            }
+            Some((_, q8, k8, v8)) => self.dgrad_fp8_sum(ctx, &[(q8, Proj::Q), (k8, Proj::K), (v8, Proj::V)])?,
             None => {
                 let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
                 matmul_acc(dh1, &dv, &dw(&self.v_proj))?
