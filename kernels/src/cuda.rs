@@ -894,7 +894,11 @@ pub(crate) fn lm_head_fwd_keep(
     let v = lw.dims()[0];
     let out = dev.alloc_zeros::<f32>((t * 3).max(1))?;
     if t == 0 {
-        return Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((0, 3)), None));
+        return Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            Shape::from((0, 3)),
+            None,
+        ));
     }
     let hp = addr::<bf16>(h, lh, "logprobs_entropy")?;
     let wp = addr::<bf16>(w, lw, "logprobs_entropy")?;
@@ -986,6 +990,7 @@ pub(crate) fn lm_head_bwd(
 /// (contiguous, owned by the caller) by its GEMMs (beta 1): no bf16 rounding of the weight's
 /// gradient, no `[V, H]` buffer of its own. Returns `d_hidden` (bf16 `[T, H]`). `h: [T, H]`,
 /// `w: [V, H]` bf16 contiguous, `grad`/`fwd_out` as [`lm_head_bwd`]'s.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn lm_head_bwd_into(
     h: &Tensor,
     w: &Tensor,

@@ -76,7 +76,10 @@ impl Fp8Tensor {
     /// forward's input, which its forward GEMM has already read.
     pub fn into_transpose(self) -> Result<Fp8Tensor> {
         let Some(t) = self.data_t else {
-            bail!("fp8: the transpose of {:?} was not made (quantize with transpose)", self.data.dims());
+            bail!(
+                "fp8: the transpose of {:?} was not made (quantize with transpose)",
+                self.data.dims()
+            );
         };
         Ok(Fp8Tensor {
             rows: t.dim(0)?,
@@ -363,7 +366,10 @@ mod tests {
             let qt = q.into_transpose().unwrap();
             assert_eq!((qt.rows, qt.data_t.is_none(), qt.format), (n[0].len(), true, f));
             assert_eq!(qt.scale_inv.to_vec1::<f32>().unwrap(), scale);
-            assert!(qt.clone().into_transpose().is_err(), "a second transpose was never made");
+            assert!(
+                qt.clone().into_transpose().is_err(),
+                "a second transpose was never made"
+            );
             let t = qt.data.to_vec2::<u8>().unwrap();
             for (r, row) in n.iter().enumerate() {
                 for (c, &b) in row.iter().enumerate() {
@@ -379,12 +385,18 @@ mod tests {
             let v: Vec<f32> = (0..r * c)
                 .map(|i| (((i as u64 * 2654435761 + seed * 97) % 1000) as f32 / 500.0 - 1.0) * 3.0)
                 .collect();
-            Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap()
+            Tensor::from_vec(v, (r, c), &Device::Cpu)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
         };
         // x rows 5, padded to 16; two terms, w [m = 3, k = 4] each.
         let q = |t: &Tensor, f| quantize_padded(t, f, false, 16).unwrap();
         let (x1, x2) = (q(&g(5, 4, 1), Fp8Format::E5M2), q(&g(5, 4, 2), Fp8Format::E5M2));
-        let (w1, w2) = (quantize(&g(3, 4, 3), Fp8Format::E4M3, false).unwrap(), quantize(&g(3, 4, 4), Fp8Format::E4M3, false).unwrap());
+        let (w1, w2) = (
+            quantize(&g(3, 4, 3), Fp8Format::E4M3, false).unwrap(),
+            quantize(&g(3, 4, 4), Fp8Format::E4M3, false).unwrap(),
+        );
         let s = matmul_t_sum(
             &[(&x1, Side::Rows, &w1, Side::Rows), (&x2, Side::Rows, &w2, Side::Rows)],
             DType::BF16,
@@ -401,7 +413,11 @@ mod tests {
         let got = s.to_dtype(DType::F64).unwrap();
         assert_eq!(got.to_vec2::<f64>().unwrap(), want.to_vec2::<f64>().unwrap());
         assert!(matmul_t_sum(&[], DType::BF16, false).is_err());
-        let mixed = matmul_t_sum(&[(&x1, Side::Rows, &w1, Side::Rows), (&w1, Side::Rows, &w1, Side::Rows)], DType::BF16, false);
+        let mixed = matmul_t_sum(
+            &[(&x1, Side::Rows, &w1, Side::Rows), (&w1, Side::Rows, &w1, Side::Rows)],
+            DType::BF16,
+            false,
+        );
         assert!(mixed.is_err(), "terms with different rows are refused");
     }
 

@@ -1715,7 +1715,8 @@ fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<
         q(&rng.randn(&[m, k], 0.02, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?,
         q(&rng.randn(&[m, k], 0.02, DType::F32, &Device::Cpu)?, Fp8Format::E4M3)?,
     );
-    let p = |x: &Fp8Tensor, w: &Fp8Tensor| -> Result<Tensor> { f64_of(x)?.narrow(0, 0, rows)?.matmul(&f64_of(w)?.t()?) };
+    let p =
+        |x: &Fp8Tensor, w: &Fp8Tensor| -> Result<Tensor> { f64_of(x)?.narrow(0, 0, rows)?.matmul(&f64_of(w)?.t()?) };
     let want = (p(&g1, &w1)? + p(&g2, &w2)?)?;
     use vime_kernels::fp8::{matmul_t_sum, Side};
     let got = matmul_t_sum(

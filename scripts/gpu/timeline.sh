@@ -26,6 +26,7 @@ WARMUP=${WARMUP:-2}
 MICRO=${MICRO:-1}
 API=${API:-1}
 EXTRA=${EXTRA:-}
+TAG=${TAG:-}
 mkdir -p "$OUT"
 source gpu-carry/device-env.sh
 BIN=${BIN:-/tmp/vime-train}
