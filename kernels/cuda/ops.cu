@@ -303,7 +303,11 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
         const size_t off = (size_t)row * d;
         const uint4* xr = reinterpret_cast<const uint4*>(x + off);
         const uint4* gr = reinterpret_cast<const uint4*>(g + off);
+        const uint4* rr = reinterpret_cast<const uint4*>(res + off);
         float xv[RMSV_MAXV][8], gv[RMSV_MAXV][8];
+        // The residual's gradient is loaded with x and g, before the two block reductions, so its
+        // memory latency overlaps theirs instead of following them (the same operations).
+        uint4 rv[RMSV_MAXV];
         float ss = 0.f;
 #pragma unroll
         for (int i = 0; i < RMSV_MAXV; ++i) {
@@ -311,6 +315,7 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
             if (c < nv) {
                 unpack8(xr[c], xv[i]);
                 unpack8(gr[c], gv[i]);
+                if (res) rv[i] = rr[c];
             } else {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) xv[i][k] = gv[i][k] = 0.f;
@@ -332,7 +337,6 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
         dot = block_sum(dot, scratch);
         const float mean = dot / (float)d;
         uint4* dxr = reinterpret_cast<uint4*>(dx + off);
-        const uint4* rr = reinterpret_cast<const uint4*>(res + off);
 #pragma unroll
         for (int i = 0; i < RMSV_MAXV; ++i) {
             const int c = threadIdx.x + i * blockDim.x;
@@ -342,7 +346,7 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
                 for (int k = 0; k < 8; ++k) o[k] = rstd * (gv[i][k] * wv[i][k] - xv[i][k] * rstd * mean);
                 if (res) {
                     float b[8];
-                    unpack8(rr[c], b);
+                    unpack8(rv[i], b);
 #pragma unroll
                     for (int k = 0; k < 8; ++k) o[k] = __bfloat162float(__float2bfloat16(o[k])) + b[k];
                 }
@@ -570,44 +574,91 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return r;
 }
 
+// Merges the running statistics (m2, s2, a2) into (m, s, a), both relative to their own max; an
+// empty side (s = 0, m = -inf) contributes nothing (no -inf * 0).
+__device__ __forceinline__ void softmax_stats_merge(float& m, float& s, float& a, float m2, float s2, float a2) {
+    const float mm = fmaxf(m, m2);
+    float sn = 0.f, an = 0.f;
+    if (s > 0.f) {
+        const float f = expf(m - mm);
+        sn += s * f;
+        an += (a + (m - mm) * s) * f;
+    }
+    if (s2 > 0.f) {
+        const float f = expf(m2 - mm);
+        sn += s2 * f;
+        an += (a2 + (m2 - mm) * s2) * f;
+    }
+    m = mm;
+    s = sn;
+    a = an;
+}
+
+// Adds one logit to a thread's running statistics (online softmax: the max moves as it goes).
+__device__ __forceinline__ void softmax_stats_add(float& m, float& s, float& a, float z) {
+    if (z > m) {
+        if (s > 0.f) {
+            const float f = expf(m - z);
+            a = (a + (m - z) * s) * f;
+            s *= f;
+        }
+        m = z;
+    }
+    const float zz = z - m;
+    const float e = expf(zz);
+    s += e;
+    a += e * zz;
+}
+
 // stats: [T, 4] f32 = (M, s, a, target logit), initialised by the caller to (-inf, 0, 0, 0).
+// One pass over the row (each logit read once, 16 bytes a load where the row is 16-byte aligned):
+// every thread keeps its own running (m, s, a), and the block merges them in a fixed order.
 extern "C" __global__ void vime_lmhead_stats(const float* __restrict__ logits, int vc, int v0,
                                              const unsigned int* __restrict__ targets, int row0,
                                              float* __restrict__ stats) {
-    __shared__ float scratch[33];
+    __shared__ float sm[3][32];
     const int r = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const float* z = logits + (size_t)r * vc;
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < vc; j += blockDim.x) m = fmaxf(m, z[j]);
-    m = block_max(m, scratch);
-    float s = 0.f, a = 0.f;
-    for (int j = threadIdx.x; j < vc; j += blockDim.x) {
-        const float zz = z[j] - m;
-        const float e = expf(zz);
-        s += e;
-        a += e * zz;
+    float m = -INFINITY, s = 0.f, a = 0.f;
+    int tail = 0;
+    if ((vc & 3) == 0 && ((uintptr_t)z & 15) == 0) {
+        const float4* z4 = reinterpret_cast<const float4*>(z);
+        for (int j = threadIdx.x; j < (vc >> 2); j += blockDim.x) {
+            const float4 q = z4[j];
+            softmax_stats_add(m, s, a, q.x);
+            softmax_stats_add(m, s, a, q.y);
+            softmax_stats_add(m, s, a, q.z);
+            softmax_stats_add(m, s, a, q.w);
+        }
+        tail = vc;
     }
-    s = block_sum(s, scratch);
-    a = block_sum(a, scratch);
+    for (int j = tail + threadIdx.x; j < vc; j += blockDim.x) softmax_stats_add(m, s, a, z[j]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(FULL_MASK, m, o), s2 = __shfl_xor_sync(FULL_MASK, s, o),
+                    a2 = __shfl_xor_sync(FULL_MASK, a, o);
+        softmax_stats_merge(m, s, a, m2, s2, a2);
+    }
+    if (lane == 0) {
+        sm[0][warp] = m;
+        sm[1][warp] = s;
+        sm[2][warp] = a;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
+        m = sm[0][0];
+        s = sm[1][0];
+        a = sm[2][0];
+        for (int w = 1; w < nwarps; ++w) softmax_stats_merge(m, s, a, sm[0][w], sm[1][w], sm[2][w]);
         float* st = stats + (size_t)(row0 + r) * 4;
         const unsigned int tg = targets[row0 + r];
         if (tg >= (unsigned int)v0 && tg < (unsigned int)(v0 + vc)) st[3] = z[tg - v0];
-        const float m0 = st[0], s0 = st[1], a0 = st[2];
-        const float mm = fmaxf(m0, m);
-        // old part rescaled to mm (empty when m0 = -inf), chunk part rescaled to mm
-        float sn = 0.f, an = 0.f;
-        if (s0 > 0.f) {
-            const float f = expf(m0 - mm);
-            sn += s0 * f;
-            an += (a0 + (m0 - mm) * s0) * f;
-        }
-        const float fc = expf(m - mm);
-        sn += s * fc;
-        an += (a + (m - mm) * s) * fc;
-        st[0] = mm;
-        st[1] = sn;
-        st[2] = an;
+        float m0 = st[0], s0 = st[1], a0 = st[2];
+        softmax_stats_merge(m0, s0, a0, m, s, a);
+        st[0] = m0;
+        st[1] = s0;
+        st[2] = a0;
     }
 }
 
@@ -630,6 +681,17 @@ extern "C" __global__ void vime_lmhead_finish(const float* __restrict__ stats,
 // H the row's entropy; written as bf16 for the two backward GEMMs (as torch's bf16 autograd has
 // the logits' gradient). fwd: [T, 3] the forward output, grad: [T, 3] its gradient (the lse
 // column's gradient is ignored: lse is an internal output).
+__device__ __forceinline__ float lmhead_dz(float z, unsigned int col, unsigned int tg, float l, float h,
+                                           float glp, float gent) {
+    const float logp = z - l;
+    const float p = expf(logp);
+    float v = -glp * p - gent * p * (logp + h);
+    if (col == tg) v += glp;
+    return v;
+}
+
+// 16-byte logit loads and 8-byte dz stores where the row allows (vc % 4 == 0, aligned rows); the
+// same math per element either way.
 extern "C" __global__ void vime_lmhead_dlogits(const float* __restrict__ logits, int vc, int v0,
                                                const unsigned int* __restrict__ targets, int row0,
                                                const float* __restrict__ fwd, const float* __restrict__ grad,
@@ -642,13 +704,25 @@ extern "C" __global__ void vime_lmhead_dlogits(const float* __restrict__ logits,
     const float gent = grad[row * 3 + 1];
     const float* z = logits + (size_t)r * vc;
     bf16* d = dz + (size_t)r * vc;
-    for (int j = threadIdx.x; j < vc; j += blockDim.x) {
-        const float logp = z[j] - l;
-        const float p = expf(logp);
-        float v = -glp * p - gent * p * (logp + h);
-        if ((unsigned int)(v0 + j) == tg) v += glp;
-        d[j] = __float2bfloat16(v);
+    int tail = 0;
+    if ((vc & 3) == 0 && ((uintptr_t)z & 15) == 0 && ((uintptr_t)d & 7) == 0) {
+        const float4* z4 = reinterpret_cast<const float4*>(z);
+        uint2* d4 = reinterpret_cast<uint2*>(d);
+        for (int j = threadIdx.x; j < (vc >> 2); j += blockDim.x) {
+            const float4 q = z4[j];
+            const unsigned int c = (unsigned int)(v0 + 4 * j);
+            uint2 u;
+            bf16* o = reinterpret_cast<bf16*>(&u);
+            o[0] = __float2bfloat16(lmhead_dz(q.x, c, tg, l, h, glp, gent));
+            o[1] = __float2bfloat16(lmhead_dz(q.y, c + 1, tg, l, h, glp, gent));
+            o[2] = __float2bfloat16(lmhead_dz(q.z, c + 2, tg, l, h, glp, gent));
+            o[3] = __float2bfloat16(lmhead_dz(q.w, c + 3, tg, l, h, glp, gent));
+            d4[j] = u;
+        }
+        tail = vc;
     }
+    for (int j = tail + threadIdx.x; j < vc; j += blockDim.x)
+        d[j] = __float2bfloat16(lmhead_dz(z[j], (unsigned int)(v0 + j), tg, l, h, glp, gent));
 }
 
 extern "C" __global__ void vime_f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, size_t n) {
@@ -790,14 +864,16 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
     return r;  // valid in thread 0
 }
 
+// The sum of squares of x[0..n) as `blocks` blocks (this one `block`) compute it: partial[block].
 template <typename T>
-__device__ __forceinline__ void sumsq_body(const T* __restrict__ x, size_t n, double* __restrict__ partial) {
+__device__ __forceinline__ void sumsq_blocks(const T* __restrict__ x, size_t n, double* __restrict__ partial,
+                                             unsigned int blocks, unsigned int block) {
     __shared__ double scratch[32];
     // Four loads in flight per thread per iteration (the loop is bound by memory latency, not
     // by the f64 math); the order of additions depends only on the grid, so it is deterministic.
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)blocks * blockDim.x;
+    size_t i = (size_t)block * blockDim.x + threadIdx.x;
     for (; i + 3 * stride < n; i += 4 * stride) {
         const double a = (double)load_g<T>(x, i), b = (double)load_g<T>(x, i + stride),
                      c = (double)load_g<T>(x, i + 2 * stride), e = (double)load_g<T>(x, i + 3 * stride);
@@ -811,19 +887,44 @@ __device__ __forceinline__ void sumsq_body(const T* __restrict__ x, size_t n, do
         s0 += a * a;
     }
     double s = block_sum_f64((s0 + s1) + (s2 + s3), scratch);
-    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+    if (threadIdx.x == 0) partial[block] = s;
 }
 
-extern "C" __global__ void vime_sumsq_f32(const float* x, size_t n, double* partial) { sumsq_body<float>(x, n, partial); }
-extern "C" __global__ void vime_sumsq_bf16(const bf16* x, size_t n, double* partial) { sumsq_body<bf16>(x, n, partial); }
 
-// out[0] = sum of partial[0..np] in a fixed order (launch with one warp).
-extern "C" __global__ void vime_sum_partials(const double* __restrict__ partial, int np, double* __restrict__ out) {
+// Many tensors' sums of squares in two launches, each with the bits of its own grid of
+// SUMSQ_BLOCKS-capped blocks and a fixed-order sum of their partials: segment i is 4 u64s
+// (address, n, its first logical block, its block count | bf16 << 32). The grid is persistent
+// (gridDim.x <= every segment's block count cap): physical block p runs segment i's logical block
+// (p - first_i) mod gridDim.x when that is below its count, so one-block tensors spread over the
+// grid. Partials land at partial[first_i + logical block], as per-tensor launches lay them out.
+// (8 blocks of 256 an SM, all 1056 resident: a persistent block that waited for a free SM would
+// run its whole share after the others.)
+extern "C" __global__ void __launch_bounds__(256, 8) vime_sumsq_multi(const unsigned long long* __restrict__ segs, int nseg,
+                                            double* __restrict__ partial) {
+    const unsigned int g = gridDim.x, p = blockIdx.x;
+    for (int i = 0; i < nseg; ++i) {
+        const unsigned long long* sg = segs + 4 * i;
+        const unsigned int first = (unsigned int)sg[2], blocks = (unsigned int)(sg[3] & 0xffffffffu);
+        const unsigned int lb = (p + g - first % g) % g;
+        if (lb >= blocks) continue;
+        if (sg[3] >> 32) sumsq_blocks<bf16>(reinterpret_cast<const bf16*>(sg[0]), sg[1], partial + first, blocks, lb);
+        else sumsq_blocks<float>(reinterpret_cast<const float*>(sg[0]), sg[1], partial + first, blocks, lb);
+        __syncthreads();  // the reduction's scratch is reused by the next segment
+    }
+}
+
+// out[i] = vime_sum_partials over segment i's partials; one warp per segment (grid nseg).
+extern "C" __global__ void vime_sum_partials_multi(const double* __restrict__ partial,
+                                                   const unsigned long long* __restrict__ segs,
+                                                   double* __restrict__ out) {
+    const unsigned long long* sg = segs + 4 * blockIdx.x;
+    const int np = (int)(sg[3] & 0xffffffffu);
+    const double* p = partial + sg[2];
     double s = 0.0;
-    for (int i = threadIdx.x; i < np; i += 32) s += partial[i];
+    for (int i = threadIdx.x; i < np; i += 32) s += p[i];
     double total = 0.0;
     for (int l = 0; l < 32; ++l) total += __shfl_sync(FULL_MASK, s, l);
-    if (threadIdx.x == 0) out[0] = total;
+    if (threadIdx.x == 0) out[blockIdx.x] = total;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1072,6 +1173,96 @@ extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, con
             bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
             qk_norm_rope_row(xr, yr, is_q ? wq : wk, lane, eps, sn, cs);
         }
+    }
+}
+
+// One head row of vime_qk_norm_rope_bwd_tok: gr the gradient of the rotated output, xr the norm's
+// input, dr the input's gradient; dwv accumulates the weight's gradient (the lane's 4 columns).
+__device__ __forceinline__ void qk_norm_rope_bwd_row(const bf16* __restrict__ gr, const bf16* __restrict__ xr,
+                                                     bf16* __restrict__ dr, const float (&wv)[4], float (&dwv)[4],
+                                                     int lane, float eps, const float* sn, const float* cs) {
+    float gv[4], xv[4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float y1, y2;
+        rope_rot(__bfloat162float(gr[lane + 32 * i]), __bfloat162float(gr[lane + 32 * i + 64]), cs[i], sn[i], &y1,
+                 &y2);
+        gv[i] = __bfloat162float(__float2bfloat16(y1));
+        gv[i + 2] = __bfloat162float(__float2bfloat16(y2));
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        xv[i] = __bfloat162float(xr[lane + 32 * i]);
+        ss += xv[i] * xv[i];
+    }
+    ss = warp_sum(ss);
+    const float rstd = 1.f / sqrtf(ss / 128.f + eps);
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float xhat = xv[i] * rstd;
+        dwv[i] += gv[i] * xhat;
+        dot += gv[i] * wv[i] * xhat;
+    }
+    dot = warp_sum(dot);
+    const float mean = dot / 128.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dr[lane + 32 * i] = __float2bfloat16(rstd * (gv[i] * wv[i] - xv[i] * rstd * mean));
+}
+
+// The backward of vime_qk_norm_rope_tok in one pass (training, d = 128), a warp a token: for each
+// head row, the rotation back by the token's angles (rounded to bf16, as vime_rope with sign -1
+// writes it), then vime_rmsnorm_bwd_warp's RMSNorm backward of that row. So dq/dk are meant to
+// have the bits of those two kernels in sequence (the kernel check compares them). The weights'
+// gradients are per-block partials, q's and k's, which the caller sums in a fixed order; their
+// rows are grouped otherwise than in the separate kernel, so their last bits may differ from it.
+// gq/gk: [T, H, 128] contiguous; xq/xk: the norm's inputs, token rows q_stride / k_stride apart.
+extern "C" __global__ void vime_qk_norm_rope_bwd_tok(const bf16* __restrict__ gq, const bf16* __restrict__ gk,
+                                                     const bf16* __restrict__ xq, const bf16* __restrict__ xk,
+                                                     const bf16* __restrict__ wq, const bf16* __restrict__ wk,
+                                                     const unsigned int* __restrict__ pos, bf16* __restrict__ dq,
+                                                     bf16* __restrict__ dk, float* __restrict__ dwq_part,
+                                                     float* __restrict__ dwk_part, int t, int hq, int hk, float eps,
+                                                     float theta, long long q_stride, long long k_stride) {
+    __shared__ float red[RMSW_WARPS][2][128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float wqv[4], wkv[4], dwq[4], dwk[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        wqv[i] = __bfloat162float(wq[lane + 32 * i]);
+        wkv[i] = __bfloat162float(wk[lane + 32 * i]);
+        dwq[i] = 0.f;
+        dwk[i] = 0.f;
+    }
+    for (int tok = blockIdx.x * RMSW_WARPS + warp; tok < t; tok += gridDim.x * RMSW_WARPS) {
+        float sn[2], cs[2];
+        qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
+        sn[0] *= -1.f;
+        sn[1] *= -1.f;
+        for (int hh = 0; hh < hq; ++hh) {
+            const size_t o = ((size_t)tok * hq + hh) * 128;
+            qk_norm_rope_bwd_row(gq + o, xq + (size_t)tok * q_stride + (size_t)hh * 128, dq + o, wqv, dwq, lane, eps,
+                                 sn, cs);
+        }
+        for (int hh = 0; hh < hk; ++hh) {
+            const size_t o = ((size_t)tok * hk + hh) * 128;
+            qk_norm_rope_bwd_row(gk + o, xk + (size_t)tok * k_stride + (size_t)hh * 128, dk + o, wkv, dwk, lane, eps,
+                                 sn, cs);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        red[warp][0][lane + 32 * i] = dwq[i];
+        red[warp][1][lane + 32 * i] = dwk[i];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 256; c += blockDim.x) {
+        const int which = c >> 7, col = c & 127;
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < RMSW_WARPS; ++k) s += red[k][which][col];
+        (which ? dwk_part : dwq_part)[(size_t)blockIdx.x * 128 + col] = s;
     }
 }
 

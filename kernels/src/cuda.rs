@@ -1870,7 +1870,9 @@ pub(crate) fn matmul_acc_inplace(acc: &Tensor, a: &Tensor, w: &Tensor) -> Result
 
 /// Blocks per tensor of the sum-of-squares kernels: fixed, so the summation order (and the bits)
 /// never depend on anything but the tensor sizes; 8 per SM of an H200, enough loads in flight to
-/// stream at memory bandwidth.
+/// stream at memory bandwidth. `vime_sumsq_multi` runs them as a persistent grid of this many
+/// blocks, all resident on an H200 (32 registers, 8 blocks an SM); on a GPU with fewer SMs the
+/// same bits come out, more slowly.
 const SUMSQ_BLOCKS: usize = 1056;
 
 /// `sum(x^2)` in f64 of each tensor (f32 or bf16, contiguous, all on one CUDA device), with a
@@ -1884,30 +1886,54 @@ pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
         candle_core::Device::Cuda(d) => d.clone(),
         _ => bail!("sum_squares: tensors must be on a CUDA device"),
     };
-    let partial = unsafe { dev.alloc::<f64>(SUMSQ_BLOCKS * ts.len()) }?;
-    let out = dev.alloc_zeros::<f64>(ts.len())?;
-    let (pbase, obase) = (slice_addr(&partial, &dev), slice_addr(&out, &dev));
-    let f_sum = ops_fn(&dev, "vime_sum_partials")?;
+    // One segment per non-empty tensor, each with the grid its own launch had (bit-equal results);
+    // two launches for all of them.
+    let mut segs: Vec<u64> = Vec::with_capacity(4 * ts.len());
+    let mut slot = Vec::with_capacity(ts.len());
+    let mut blocks_total = 0usize;
     for (i, t) in ts.iter().enumerate() {
         let n = t.elem_count();
         if n == 0 {
             continue;
         }
-        let (xp, name) = match t.dtype() {
-            DType::F32 => (tensor_addr::<f32>(t, "sum_squares")?, "vime_sumsq_f32"),
-            DType::BF16 => (tensor_addr::<bf16>(t, "sum_squares")?, "vime_sumsq_bf16"),
+        let (xp, bf) = match t.dtype() {
+            DType::F32 => (tensor_addr::<f32>(t, "sum_squares")?, 0u64),
+            DType::BF16 => (tensor_addr::<bf16>(t, "sum_squares")?, 1u64),
             other => bail!("sum_squares: dtype {other:?} (f32 or bf16)"),
         };
         let blocks = SUMSQ_BLOCKS.min(n.div_ceil(256));
-        let pp = pbase + (i * SUMSQ_BLOCKS * 8) as u64;
-        let op = obase + (i * 8) as u64;
-        let n64 = n as u64;
-        let f = ops_fn(&dev, name)?;
-        launch!(dev, f, cfg(blocks as u32, 256), [&xp, &n64, &pp]);
-        let np = blocks as i32;
-        launch!(dev, f_sum, cfg(1, 32), [&pp, &np, &op]);
+        segs.extend([xp, n as u64, blocks_total as u64, blocks as u64 | (bf << 32)]);
+        slot.push(i);
+        blocks_total += blocks;
     }
-    dev.cuda_stream().clone_dtoh(&out).w()
+    let mut result = vec![0f64; ts.len()];
+    if slot.is_empty() {
+        return Ok(result);
+    }
+    if blocks_total > u32::MAX as usize / 2 {
+        bail!("sum_squares: {blocks_total} blocks over {} tensors", ts.len());
+    }
+    let stream = dev.cuda_stream();
+    let table = stream.clone_htod(&segs).w()?;
+    let partial = unsafe { dev.alloc::<f64>(blocks_total) }?;
+    let out = unsafe { dev.alloc::<f64>(slot.len()) }?;
+    let (tp, pp, op) = (
+        slice_addr(&table, &dev),
+        slice_addr(&partial, &dev),
+        slice_addr(&out, &dev),
+    );
+    let nseg = slot.len() as i32;
+    let f = ops_fn(&dev, "vime_sumsq_multi")?;
+    // Persistent: no more blocks than the largest per-tensor grid (each tensor's logical blocks
+    // then map to distinct physical ones).
+    let grid = blocks_total.min(SUMSQ_BLOCKS) as u32;
+    launch!(dev, f, cfg(grid, 256), [&tp, &nseg, &pp]);
+    let f = ops_fn(&dev, "vime_sum_partials_multi")?;
+    launch!(dev, f, cfg(slot.len() as u32, 32), [&pp, &tp, &op]);
+    for (v, i) in stream.clone_dtoh(&out).w()?.into_iter().zip(slot) {
+        result[i] = v;
+    }
+    Ok(result)
 }
 
 /// [`crate::sample::sample_gumbel_logprobs`] on the device: one launch over vocabulary slices
@@ -2197,6 +2223,86 @@ pub(crate) fn qk_norm_rope(
     Ok((
         device_tensor(qo, &dev, (t, hq, 128)),
         device_tensor(ko, &dev, (t, hk, 128)),
+    ))
+}
+
+/// [`crate::rope::qk_norm_rope_backward`] on the device: `gq: [t, hq, 128]`, `gk: [t, hk, 128]`
+/// (the gradients of the rotated outputs), `xq`/`xk` the norms' inputs (head views of wider rows
+/// are read in place), weights `[128]`, all bf16. Returns `(dq, dk, dwq, dwk)`: one launch for
+/// both inputs' gradients and the weights' partials, then one column sum each.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_rope_bwd(
+    gq: &Tensor,
+    gk: &Tensor,
+    xq: &Tensor,
+    xk: &Tensor,
+    wq: &Tensor,
+    wk: &Tensor,
+    positions: &[u32],
+    eps: f64,
+    theta: f64,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let dev = match gq.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("qk_norm_rope backward: tensors must be on a CUDA device"),
+    };
+    let what = "qk_norm_rope backward";
+    check_bf16(
+        what,
+        &[gq.dtype(), gk.dtype(), xq.dtype(), xk.dtype(), wq.dtype(), wk.dtype()],
+    )?;
+    let (t, hq, _) = gq.dims3()?;
+    let hk = gk.dims3()?.1;
+    let (nq, nk) = (t * hq * 128, t * hk * 128);
+    let blocks = t.div_ceil(RMSW_WARPS).clamp(1, 132 * 4);
+    // Safety: the kernel writes every element of dq, dk and both partials.
+    let (dq, dk, part) = unsafe {
+        (
+            dev.alloc::<bf16>(nq.max(1))?,
+            dev.alloc::<bf16>(nk.max(1))?,
+            dev.alloc::<f32>(2 * blocks * 128)?,
+        )
+    };
+    let dwq = dev.alloc_zeros::<bf16>(128)?;
+    let dwk = dev.alloc_zeros::<bf16>(128)?;
+    if t > 0 {
+        let pos = upload_u32_cached(&dev, positions)?;
+        let (gq, gk) = (gq.contiguous()?, gk.contiguous()?);
+        let (xq, qs) = head_rows(xq)?;
+        let (xk, ks) = head_rows(xk)?;
+        let (wq, wk) = (wq.contiguous()?, wk.contiguous()?);
+        let (gqp, gkp, xqp, xkp, wqp, wkp) = (
+            tensor_addr::<bf16>(&gq, what)?,
+            tensor_addr::<bf16>(&gk, what)?,
+            strided_addr::<bf16>(&xq, what)?,
+            strided_addr::<bf16>(&xk, what)?,
+            tensor_addr::<bf16>(&wq, what)?,
+            tensor_addr::<bf16>(&wk, what)?,
+        );
+        let pp = slice_addr(&*pos, &dev);
+        let (dqp, dkp, partp) = (slice_addr(&dq, &dev), slice_addr(&dk, &dev), slice_addr(&part, &dev));
+        let partk = partp + (blocks * 128 * 4) as u64;
+        let (qs, ks) = (qs as i64, ks as i64);
+        let (t_i, hq_i, hk_i) = (i32_of(what, "tokens", t)?, hq as i32, hk as i32);
+        let (eps_f, theta_f) = (eps as f32, theta as f32);
+        let f = ops_fn(&dev, "vime_qk_norm_rope_bwd_tok")?;
+        launch!(
+            dev,
+            f,
+            cfg(blocks as u32, (32 * RMSW_WARPS) as u32),
+            [
+                &gqp, &gkp, &xqp, &xkp, &wqp, &wkp, &pp, &dqp, &dkp, &partp, &partk, &t_i, &hq_i, &hk_i, &eps_f,
+                &theta_f, &qs, &ks
+            ]
+        );
+        colsum(&dev, partp, slice_addr(&dwq, &dev), blocks, 128)?;
+        colsum(&dev, partk, slice_addr(&dwk, &dev), blocks, 128)?;
+    }
+    Ok((
+        device_tensor(dq, &dev, (t, hq, 128)),
+        device_tensor(dk, &dev, (t, hk, 128)),
+        device_tensor(dwq, &dev, 128),
+        device_tensor(dwk, &dev, 128),
     ))
 }
 

@@ -108,6 +108,51 @@ pub fn qk_norm_rope(
     ))
 }
 
+/// The backward of the training forward's `(rope(rms_norm(q; wq)), rope(rms_norm(k; wk)))`
+/// without autograd: `gq`/`gk` the gradients of the rotated outputs, `q`/`k` the norms' inputs.
+/// Returns `(dq, dk, dwq, dwk)`, each as [`rope_backward`] then [`crate::rms_norm_backward`]
+/// give them. On CUDA bf16 with `d = 128` one kernel for both (the same bits for `dq`/`dk`, the
+/// weights' gradients summed over other row groups); elsewhere those ops.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_backward(
+    gq: &Tensor,
+    gk: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    wq: &Tensor,
+    wk: &Tensor,
+    eps: f64,
+    positions: &Arc<[u32]>,
+    theta: f64,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    let (t, hq, d) = gq.dims3()?;
+    let (tk, hk, dk) = gk.dims3()?;
+    if q.dims() != [t, hq, d] || k.dims() != [tk, hk, dk] || tk != t || dk != d || positions.len() != t {
+        bail!(
+            "qk_norm_rope_backward: gq {:?}, gk {:?}, q {:?}, k {:?}, {} positions",
+            gq.dims(),
+            gk.dims(),
+            q.dims(),
+            k.dims(),
+            positions.len()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if crate::fused_cuda(gq.device(), gq.dtype()) && d == 128 {
+        if wq.dims() != [128] || wk.dims() != [128] {
+            bail!(
+                "qk_norm_rope_backward: norm weights {:?} / {:?} for head_dim 128",
+                wq.dims(),
+                wk.dims()
+            );
+        }
+        return crate::cuda::qk_norm_rope_bwd(gq, gk, q, k, wq, wk, positions, eps, theta);
+    }
+    let (dq, dwq) = crate::rms_norm_backward(q, wq, eps, &rope_backward(gq, positions, theta)?)?;
+    let (dk, dwk) = crate::rms_norm_backward(k, wk, eps, &rope_backward(gk, positions, theta)?)?;
+    Ok((dq, dk, dwq, dwk))
+}
+
 #[derive(Debug, Clone)]
 struct Rope {
     positions: Arc<[u32]>,

@@ -201,14 +201,34 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
         &mut failures,
     )?;
 
+    // A vocabulary that is no multiple of 4 (30001 = 16384 + 13617): the second chunk's rows are
+    // not 16-byte aligned, so the head's kernels take their scalar loops there.
+    let h = rng.randn(&[th, 256], 1.0, bf, &Device::Cpu)?;
+    let lm = rng.randn(&[30001, 256], 0.05, bf, &Device::Cpu)?;
+    let tg: Arc<[u32]> = targets
+        .iter()
+        .map(|&t| if t == vime_kernels::IGNORE_TARGET { t } else { t % 30001 })
+        .collect();
+    check(
+        "logprobs_entropy (odd V)",
+        &|a| {
+            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], &tg, 100)?;
+            Tensor::cat(&[lp, ent], 0)
+        },
+        &[h, lm],
+        &gpu,
+        &mut failures,
+    )?;
+
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
+    check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
-    checks += 6;
+    checks += 8;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -605,19 +625,30 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
 
 /// The fused sum of squares (global gradient norm) against f64 on the host.
 fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    let a = rng.randn(&[3_000_001], 1e-3, DType::F32, &Device::Cpu)?;
-    let b = rng.randn(&[2560, 129], 1.0, DType::BF16, &Device::Cpu)?;
-    let got = vime_kernels::cuda::sum_squares(&[&a.to_device(gpu)?, &b.to_device(gpu)?])?;
-    let mut worst = 0f64;
-    for (t, g) in [&a, &b].iter().zip(&got) {
-        let want: f64 = t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar()?;
-        worst = worst.max((g - want).abs() / want);
+    // Two large tensors (a full grid of blocks each), an empty one, and 300 small ones of both
+    // dtypes (one block each, some under one block's 256 threads): one launch finds every block's
+    // tensor, and each result must be its own.
+    let mut ts = vec![
+        rng.randn(&[3_000_001], 1e-3, DType::F32, &Device::Cpu)?,
+        Tensor::zeros(0, DType::F32, &Device::Cpu)?,
+        rng.randn(&[2560, 129], 1.0, DType::BF16, &Device::Cpu)?,
+    ];
+    for i in 0..300usize {
+        let dt = if i % 3 == 0 { DType::BF16 } else { DType::F32 };
+        ts.push(rng.randn(&[1 + (i * 37) % 600], 1.0 + i as f64, dt, &Device::Cpu)?);
     }
-    let ok = worst <= 1e-12;
+    let on: Vec<Tensor> = ts.iter().map(|t| t.to_device(gpu)).collect::<Result<_>>()?;
+    let got = vime_kernels::cuda::sum_squares(&on.iter().collect::<Vec<_>>())?;
+    let mut worst = 0f64;
+    for (t, g) in ts.iter().zip(&got) {
+        let want: f64 = t.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar()?;
+        worst = worst.max(if want == 0.0 { g.abs() } else { (g - want).abs() / want });
+    }
+    let ok = worst <= 1e-12 && got.len() == ts.len() && got[1] == 0.0;
     println!(
         "{:<26} {:<52} rel err vs host f64 {worst:.1e}  {}",
         "sum_squares",
-        "[3000001] f32, [2560, 129] bf16",
+        "[3000001] f32, [0], [2560, 129] bf16, 300 small",
         if ok { "ok" } else { "FAIL" }
     );
     if !ok {
@@ -670,6 +701,58 @@ fn check_residual_norms(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>)
             failures.push(format!("residual adds + norms [{t}, {d}]: {errs:?}"));
         }
     }
+    Ok(())
+}
+
+/// The q/k norms' and RoPE's backward in one kernel (`rope::qk_norm_rope_backward`, training,
+/// Qwen3-4B's heads, q and k as head views of a fused q|k|v row, 1037 tokens of packed
+/// sequences): dq and dk bit for bit against the GPU's separate kernels (`rope_backward`, then
+/// `rms_norm_backward`), the weights' gradients within the bound of them, and all four against
+/// the CPU kernels.
+fn check_qk_norm_rope_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let (t, hq, hk, d) = (1037usize, 32usize, 8usize, 128usize);
+    let bf = DType::BF16;
+    let qkv = rng.randn(&[t, hq + 2 * hk, d], 1.0, bf, &Device::Cpu)?;
+    let gq = rng.randn(&[t, hq, d], 1.0, bf, &Device::Cpu)?;
+    let gk = rng.randn(&[t, hk, d], 1.0, bf, &Device::Cpu)?;
+    let wq = (rng.randn(&[d], 0.1, DType::F32, &Device::Cpu)? + 1.0)?.to_dtype(bf)?;
+    let wk = (rng.randn(&[d], 0.1, DType::F32, &Device::Cpu)? + 1.0)?.to_dtype(bf)?;
+    let pos: Arc<[u32]> = (0..t as u32).map(|i| i % 700).collect();
+    let (eps, theta) = (1e-6, 1_000_000.0);
+    let run = |qkv: &Tensor, gq: &Tensor, gk: &Tensor, wq: &Tensor, wk: &Tensor| {
+        let (q, k) = (qkv.narrow(1, 0, hq)?, qkv.narrow(1, hq, hk)?);
+        vime_kernels::rope::qk_norm_rope_backward(gq, gk, &q, &k, wq, wk, eps, &pos, theta)
+    };
+    let separate = |qkv: &Tensor, gq: &Tensor, gk: &Tensor, wq: &Tensor, wk: &Tensor| -> Result<[Tensor; 4]> {
+        let (q, k) = (
+            qkv.narrow(1, 0, hq)?.contiguous()?,
+            qkv.narrow(1, hq, hk)?.contiguous()?,
+        );
+        let (dq, dwq) = vime_kernels::rms_norm_backward(&q, wq, eps, &vime_kernels::rope_backward(gq, &pos, theta)?)?;
+        let (dk, dwk) = vime_kernels::rms_norm_backward(&k, wk, eps, &vime_kernels::rope_backward(gk, &pos, theta)?)?;
+        Ok([dq, dk, dwq, dwk])
+    };
+    let on = |a: &Tensor| a.to_device(gpu);
+    let (fq, fk, fwq, fwk) = run(&on(&qkv)?, &on(&gq)?, &on(&gk)?, &on(&wq)?, &on(&wk)?)?;
+    let sep = separate(&on(&qkv)?, &on(&gq)?, &on(&gk)?, &on(&wq)?, &on(&wk)?)?;
+    let cpu = separate(&qkv, &gq, &gk, &wq, &wk)?;
+    let fused = [fq, fk, fwq, fwk];
+    let same = max_abs_diff(&fused[0], &sep[0])?.max(max_abs_diff(&fused[1], &sep[1])?);
+    let dw_vs_kernels = rel_err(&fused[2].to_device(&Device::Cpu)?, &sep[2].to_device(&Device::Cpu)?)?.max(rel_err(
+        &fused[3].to_device(&Device::Cpu)?,
+        &sep[3].to_device(&Device::Cpu)?,
+    )?);
+    let mut vs_cpu = 0f64;
+    for (f, c) in fused.iter().zip(&cpu) {
+        vs_cpu = vs_cpu.max(rel_err(&f.to_device(&Device::Cpu)?, c)?);
+    }
+    report(
+        failures,
+        "qk_norm_rope backward",
+        &format!("q [{t}, {hq}, {d}] k [{t}, {hk}, {d}] (views) bf16"),
+        &format!("max |dq,dk - 2 kernels| {same:e}, dw vs kernels {dw_vs_kernels:.1e}, vs cpu {vs_cpu:.1e}"),
+        same == 0.0 && dw_vs_kernels <= TOL && vs_cpu <= TOL,
+    );
     Ok(())
 }
 

@@ -53,8 +53,8 @@ use std::sync::Arc;
 use vime_dist::{Collectives, ReduceOp};
 use vime_kernels::fp8::{self, Fp8Format, Fp8Tensor, Side};
 use vime_kernels::{
-    matmul_acc, rms_norm, rms_norm_backward, rms_norm_backward_add, rope, rope_backward, swiglu, swiglu_backward,
-    varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
+    matmul_acc, rms_norm, rms_norm_backward_add, rope, swiglu, swiglu_backward, varlen_attention,
+    varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
 };
 
 /// What a block needs besides its weights: the dims ONE rank sees (local heads and intermediate
@@ -913,17 +913,17 @@ impl Block {
             _ => varlen_attention_backward(&s.attn_saved, &s.qr, &s.kr, &s.v, &s.attn, &da)?,
         };
         drop(da);
-        let (dq, dwqn) = rms_norm_backward(
+        // The rotations back and the q/k norms' backward (one kernel on CUDA).
+        let (dq, dk, dwqn, dwkn) = vime_kernels::rope::qk_norm_rope_backward(
+            &dqr,
+            &dkr,
             &s.q,
-            &dw(&self.q_norm),
-            eps,
-            &rope_backward(&dqr, &s.positions, ctx.rope_theta)?,
-        )?;
-        let (dk, dwkn) = rms_norm_backward(
             &s.k,
+            &dw(&self.q_norm),
             &dw(&self.k_norm),
             eps,
-            &rope_backward(&dkr, &s.positions, ctx.rope_theta)?,
+            &s.positions,
+            ctx.rope_theta,
         )?;
         put(grads, name("self_attn.q_norm.weight"), tp_sum(tp, dwqn)?)?;
         put(grads, name("self_attn.k_norm.weight"), tp_sum(tp, dwkn)?)?;
