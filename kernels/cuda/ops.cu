@@ -556,24 +556,6 @@ extern "C" __global__ void vime_swiglu_bwd(const bf16* __restrict__ gate, const 
 // so that lse = M + log s and entropy = log s - a / s (no cancellation against M).
 // One block per row (blockDim 256), rows < nrows of the chunk starting at token row0.
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float t = lane < nwarps ? scratch[lane] : -INFINITY;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(FULL_MASK, t, o));
-        if (lane == 0) scratch[32] = t;
-    }
-    __syncthreads();
-    float r = scratch[32];
-    __syncthreads();
-    return r;
-}
-
 // Merges the running statistics (m2, s2, a2) into (m, s, a), both relative to their own max; an
 // empty side (s = 0, m = -inf) contributes nothing (no -inf * 0).
 __device__ __forceinline__ void softmax_stats_merge(float& m, float& s, float& a, float m2, float s2, float a2) {
@@ -894,7 +876,7 @@ __device__ __forceinline__ void sumsq_blocks(const T* __restrict__ x, size_t n, 
 // Many tensors' sums of squares in two launches, each with the bits of its own grid of
 // SUMSQ_BLOCKS-capped blocks and a fixed-order sum of their partials: segment i is 4 u64s
 // (address, n, its first logical block, its block count | bf16 << 32). The grid is persistent
-// (gridDim.x <= every segment's block count cap): physical block p runs segment i's logical block
+// (gridDim.x >= every segment's block count): physical block p runs segment i's logical block
 // (p - first_i) mod gridDim.x when that is below its count, so one-block tensors spread over the
 // grid. Partials land at partial[first_i + logical block], as per-tensor launches lay them out.
 // (8 blocks of 256 an SM, all 1056 resident: a persistent block that waited for a free SM would
@@ -913,7 +895,8 @@ extern "C" __global__ void __launch_bounds__(256, 8) vime_sumsq_multi(const unsi
     }
 }
 
-// out[i] = vime_sum_partials over segment i's partials; one warp per segment (grid nseg).
+// out[i] = the sum of segment i's partials in a fixed order (lane-strided, then the 32 lane sums in
+// lane order); one warp per segment (grid nseg).
 extern "C" __global__ void vime_sum_partials_multi(const double* __restrict__ partial,
                                                    const unsigned long long* __restrict__ segs,
                                                    double* __restrict__ out) {
@@ -1102,12 +1085,9 @@ __device__ __forceinline__ void qk_rope_angles(float p, int lane, float theta, f
     }
 }
 
-// One head row (d = 128, four columns a lane): RMSNorm by weight w (bf16, rounded to bf16 as
-// vime_rmsnorm_fwd_warp does), then the rotation by the lane's angles.
-__device__ __forceinline__ void qk_norm_rope_row(const bf16* __restrict__ xr, bf16* __restrict__ yr,
-                                                 const bf16* __restrict__ w, int lane, float eps,
-                                                 const float* sn, const float* cs) {
-    float xv[4];
+// A head row's (d = 128, four columns a lane) values into xv and its RMSNorm 1 / rms, with
+// vime_rmsnorm_*_warp's order of operations.
+__device__ __forceinline__ float head_row_rstd(const bf16* __restrict__ xr, int lane, float eps, float (&xv)[4]) {
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1115,7 +1095,16 @@ __device__ __forceinline__ void qk_norm_rope_row(const bf16* __restrict__ xr, bf
         ss += xv[i] * xv[i];
     }
     ss = warp_sum(ss);
-    const float rstd = 1.f / sqrtf(ss / 128.f + eps);
+    return 1.f / sqrtf(ss / 128.f + eps);
+}
+
+// One head row (d = 128, four columns a lane): RMSNorm by weight w (bf16, rounded to bf16 as
+// vime_rmsnorm_fwd_warp does), then the rotation by the lane's angles.
+__device__ __forceinline__ void qk_norm_rope_row(const bf16* __restrict__ xr, bf16* __restrict__ yr,
+                                                 const bf16* __restrict__ w, int lane, float eps,
+                                                 const float* sn, const float* cs) {
+    float xv[4];
+    const float rstd = head_row_rstd(xr, lane, eps, xv);
     float nv[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1190,14 +1179,7 @@ __device__ __forceinline__ void qk_norm_rope_bwd_row(const bf16* __restrict__ gr
         gv[i] = __bfloat162float(__float2bfloat16(y1));
         gv[i + 2] = __bfloat162float(__float2bfloat16(y2));
     }
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        xv[i] = __bfloat162float(xr[lane + 32 * i]);
-        ss += xv[i] * xv[i];
-    }
-    ss = warp_sum(ss);
-    const float rstd = 1.f / sqrtf(ss / 128.f + eps);
+    const float rstd = head_row_rstd(xr, lane, eps, xv);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -2263,8 +2263,12 @@ pub(crate) fn qk_norm_rope_bwd(
             dev.alloc::<f32>(2 * blocks * 128)?,
         )
     };
-    let dwq = dev.alloc_zeros::<bf16>(128)?;
-    let dwk = dev.alloc_zeros::<bf16>(128)?;
+    // Written by the column sums below; zeros only when there are no tokens.
+    let (dwq, dwk) = if t > 0 {
+        unsafe { (dev.alloc::<bf16>(128)?, dev.alloc::<bf16>(128)?) }
+    } else {
+        (dev.alloc_zeros::<bf16>(128)?, dev.alloc_zeros::<bf16>(128)?)
+    };
     if t > 0 {
         let pos = upload_u32_cached(&dev, positions)?;
         let (gq, gk) = (gq.contiguous()?, gk.contiguous()?);

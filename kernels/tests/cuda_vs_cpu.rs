@@ -173,52 +173,29 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     let mut targets: Vec<u32> = (0..th).map(|_| (rng.next_u64() % 151936) as u32).collect();
     targets[th - 1] = vime_kernels::IGNORE_TARGET;
     let targets: Arc<[u32]> = targets.into();
-    let tg = targets.clone();
-    check(
-        "logprobs_entropy",
-        &|a| {
-            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], &tg, 64)?;
+    // The LM head against the CPU: log-probs and entropy, and their gradients.
+    let head = |name: &str, h: Tensor, lm: Tensor, tg: &Arc<[u32]>, chunk: usize, failures: &mut Vec<String>| {
+        let op = |a: &[Tensor]| -> Result<Tensor> {
+            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], tg, chunk)?;
             Tensor::cat(&[lp, ent], 0)
-        },
-        &[h, lm],
-        &gpu,
-        &mut failures,
-    )?;
-
+        };
+        check(name, &op, &[h, lm], &gpu, failures)
+    };
+    head("logprobs_entropy", h, lm, &targets, 64, &mut failures)?;
     // The LM head with every token in one chunk (dW written directly; the case above accumulates
     // over token chunks).
     let h = rng.randn(&[th, 2560], 1.0, bf, &Device::Cpu)?;
     let lm = rng.randn(&[151936, 2560], 0.02, bf, &Device::Cpu)?;
-    let tg = targets.clone();
-    check(
-        "logprobs_entropy (1 chunk)",
-        &|a| {
-            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], &tg, 4096)?;
-            Tensor::cat(&[lp, ent], 0)
-        },
-        &[h, lm],
-        &gpu,
-        &mut failures,
-    )?;
-
+    head("logprobs_entropy (1 chunk)", h, lm, &targets, 4096, &mut failures)?;
     // A vocabulary that is no multiple of 4 (30001 = 16384 + 13617): the second chunk's rows are
     // not 16-byte aligned, so the head's kernels take their scalar loops there.
     let h = rng.randn(&[th, 256], 1.0, bf, &Device::Cpu)?;
     let lm = rng.randn(&[30001, 256], 0.05, bf, &Device::Cpu)?;
-    let tg: Arc<[u32]> = targets
+    let odd: Arc<[u32]> = targets
         .iter()
         .map(|&t| if t == vime_kernels::IGNORE_TARGET { t } else { t % 30001 })
         .collect();
-    check(
-        "logprobs_entropy (odd V)",
-        &|a| {
-            let (lp, ent) = vime_kernels::logprobs_entropy(&a[0], &a[1], &tg, 100)?;
-            Tensor::cat(&[lp, ent], 0)
-        },
-        &[h, lm],
-        &gpu,
-        &mut failures,
-    )?;
+    head("logprobs_entropy (odd V)", h, lm, &odd, 100, &mut failures)?;
 
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
