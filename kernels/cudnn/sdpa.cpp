@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -56,6 +57,7 @@ struct VimeSdpaArgs {
     void *off_q, *off_k, *off_stats;       // int32 [b + 1], in elements
     void* workspace;
     int64_t workspace_bytes;
+    int32_t plan;  // -1: heuristics mode A's first choice; k >= 0: the k-th of modes A + B's list
 };
 }
 
@@ -66,11 +68,12 @@ enum Uid : int64_t {
 };
 
 using Key = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       uint32_t>;
+                       uint32_t, int>;
 
 struct Entry {
     std::shared_ptr<fe::graph::Graph> graph;
     int64_t workspace = 0;
+    int64_t plan = -1;  // the plan index executed (-1: the heuristics' candidate)
 };
 
 std::mutex g_mutex;
@@ -90,7 +93,7 @@ Key key_of(const VimeSdpaArgs& a) {
     uint32_t scale_bits;
     std::memcpy(&scale_bits, &a.scale, 4);
     return Key{a.backward, a.backward ? a.deterministic : 0, a.device, a.layout, a.top_left, a.b, a.s_q, a.s_k,
-               a.h_q, a.h_k, a.d, a.t_q, a.t_k, scale_bits};
+               a.h_q, a.h_k, a.d, a.t_q, a.t_k, scale_bits, a.plan};
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> index_tensor(fe::graph::Graph& g, const char* name, int64_t uid,
@@ -193,15 +196,36 @@ std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
     }
     fe::error_t st = g->validate();
     if (st.is_good()) st = g->build_operation_graph(handle);
-    if (st.is_good()) st = g->create_execution_plans({fe::HeurMode_t::A});
-    if (st.is_good()) st = g->check_support(handle);
-    if (st.is_good()) st = g->build_plans(handle);
+    if (a.plan < 0) {
+        if (st.is_good()) st = g->create_execution_plans({fe::HeurMode_t::A});
+        if (st.is_good()) st = g->check_support(handle);
+        if (st.is_good()) st = g->build_plans(handle);
+    } else {
+        // A chosen plan (measurement): the k-th engine config of heuristics modes A and B, listed
+        // on stderr with their names so that a run can say which kernel each index is.
+        if (st.is_good()) st = g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::B});
+        if (st.is_good()) st = g->check_support(handle);
+        if (st.is_good()) {
+            const int64_t n = g->get_execution_plan_count();
+            for (int64_t i = 0; i < n; ++i) {
+                std::string name;
+                g->get_plan_name_at_index(i, name);
+                std::fprintf(stderr, "cuDNN SDPA %s plan %lld of %lld: %s\n", a.backward ? "backward" : "forward",
+                             (long long)i, (long long)n, name.c_str());
+            }
+            if (a.plan >= n) {
+                return "plan " + std::to_string(a.plan) + " asked for, the heuristics list " + std::to_string(n);
+            }
+            st = g->build_plan_at_index(a.plan);
+        }
+    }
     if (!st.is_good()) return st.get_message().empty() ? std::string("cuDNN graph build failed") : st.get_message();
     int64_t ws = 0;
-    st = g->get_workspace_size(ws);
+    st = a.plan < 0 ? g->get_workspace_size(ws) : g->get_workspace_size_plan_at_index(a.plan, ws);
     if (!st.is_good()) return st.get_message();
     out.graph = g;
     out.workspace = ws;
+    out.plan = a.plan;
     return "";
 }
 
@@ -308,7 +332,8 @@ int vime_cudnn_sdpa_run(const VimeSdpaArgs* a, char* err, size_t n) {
             pack[DK] = a->dk;
             pack[DV] = a->dv;
         }
-        fe::error_t st = e->graph->execute(handle, pack, a->workspace);
+        fe::error_t st = e->plan < 0 ? e->graph->execute(handle, pack, a->workspace)
+                                      : e->graph->execute_plan_at_index(handle, pack, a->workspace, e->plan);
         if (!st.is_good()) {
             set_err(err, n, st.get_message());
             return 5;

@@ -68,6 +68,7 @@ struct SdpaArgs {
     off_stats: u64,
     workspace: u64,
     workspace_bytes: i64,
+    plan: i32,
 }
 
 #[cfg(feature = "cudnn")]
@@ -121,6 +122,19 @@ fn bucket(n: usize) -> usize {
 fn force_ragged() -> bool {
     static RAGGED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *RAGGED.get_or_init(|| std::env::var("VIME_CUDNN_LAYOUT").is_ok_and(|v| v == "ragged"))
+}
+
+/// `VIME_CUDNN_SDPA_PLAN=F,B`: run the forward on the F-th and the backward on the B-th engine
+/// config of cuDNN's heuristics modes A and B (listed on stderr when the graph is built; -1 is
+/// mode A's first choice, the default), for measuring cuDNN's plans against each other (read once).
+#[cfg(feature = "cudnn")]
+fn forced_plans() -> (i32, i32) {
+    static PLANS: std::sync::OnceLock<(i32, i32)> = std::sync::OnceLock::new();
+    *PLANS.get_or_init(|| {
+        let v = std::env::var("VIME_CUDNN_SDPA_PLAN").unwrap_or_default();
+        let mut it = v.split(',').map(|x| x.trim().parse::<i32>().unwrap_or(-1));
+        (it.next().unwrap_or(-1), it.next().unwrap_or(-1))
+    })
 }
 
 impl Plan {
@@ -267,6 +281,7 @@ pub(crate) fn run(
         off_stats: at(4),
         workspace: 0,
         workspace_bytes: 0,
+        plan: if backward { forced_plans().1 } else { forced_plans().0 },
     };
     let what = if backward { "backward" } else { "forward" };
     let mut err = vec![0u8; 2048];

@@ -99,6 +99,8 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
         "FP8 best",
         "TFLOP/s"
     );
+    // Which cuBLASLt algorithms gave other bits than GemmEx (beta-0 cases).
+    let mut differ_lines = Vec::new();
     // Per-layer totals: separate projections, fused ones, each with GemmEx / Lt[0] / Lt best.
     let mut tot = std::collections::BTreeMap::<&str, [f64; 3]>::new();
     // The separate layout's GEMMs in FP8: heuristic #0 (what fp8_matmul_t runs) and the best.
@@ -127,6 +129,19 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
             fbest,
             tm.tflops(fbest)
         );
+        if !tm.lt_same.is_empty() {
+            let differ: Vec<String> = (0..tm.lt_same.len())
+                .filter(|&i| !tm.lt_same[i])
+                .map(|i| i.to_string())
+                .collect();
+            differ_lines.push(format!(
+                "BITS {:<24} {} of {} algorithms equal GemmEx's output; differing: [{}]",
+                c.name,
+                tm.lt_same.len() - differ.len(),
+                tm.lt_same.len(),
+                differ.join(", ")
+            ));
+        }
         // One micro-batch's GEMMs as the block runs them: fwd, dgrad, and the wgrad of the
         // first micro-batch (beta 0); the running-sum wgrad (beta 1) is informational.
         if c.beta != 0.0 {
@@ -146,6 +161,9 @@ pub fn run(args: &BenchGemmArgs) -> Result<()> {
         if layout != Layout::Separate {
             add("layer, fused qkv + gate_up");
         }
+    }
+    for line in &differ_lines {
+        println!("{line}");
     }
     let l = cfg.num_hidden_layers as f64;
     for (k, [ex, lt0, best]) in &tot {

@@ -79,6 +79,10 @@ pub struct GemmTiming {
     pub case: GemmCase,
     pub gemm_ex_ms: f64,
     pub lt_ms: Vec<f64>,
+    /// Per cuBLASLt algorithm (beta-0 cases only, else empty): whether its output equals
+    /// `GemmEx`'s element for element on the same inputs. An algorithm that sums `K` in the same
+    /// order gives the same bits; split-K and stream-K kernels need not.
+    pub lt_same: Vec<bool>,
 }
 
 impl GemmTiming {
@@ -186,30 +190,72 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
             super::fp8::heuristic_algos(handle, desc, [la, lb, lc], algos)?
         };
         let (alpha, beta) = (1.0f32, case.beta);
+        let lt_into = |algo: &lt_sys::cublasLtMatmulAlgo_t, out: u64, beta: f32| unsafe {
+            lt::matmul(
+                handle,
+                desc,
+                &alpha as *const f32 as *const _,
+                &beta as *const f32 as *const _,
+                ap as *const _,
+                la,
+                bp as *const _,
+                lb,
+                out as *const _,
+                lc,
+                out as *mut _,
+                lc,
+                algo,
+                ws_p as *mut _,
+                ws_bytes,
+                stream,
+            )
+            .map_err(lt_err("matmul"))
+        };
+        // The same products into fresh outputs (beta 0), compared with GemmEx's.
+        let mut lt_same = Vec::new();
+        if case.beta == 0.0 {
+            let fresh = || Tensor::full(f32::NAN, (case.n, case.m), device)?.to_dtype(c_dtype);
+            let addr = |t: &Tensor| {
+                if case.c_f32 {
+                    tensor_addr::<f32>(t, "c")
+                } else {
+                    tensor_addr::<bf16>(t, "c")
+                }
+            };
+            let reference = fresh()?;
+            unsafe {
+                gemm(
+                    &dev,
+                    case.ta,
+                    case.tb,
+                    case.m,
+                    case.n,
+                    case.k,
+                    ap,
+                    ar,
+                    bp,
+                    br,
+                    0.0,
+                    addr(&reference)?,
+                    case.c_f32,
+                    case.m,
+                )?
+            };
+            for algo in &heur {
+                let out = fresh()?;
+                lt_into(algo, addr(&out)?, 0.0)?;
+                // Differing elements (NaN, an unwritten element, differs from everything).
+                let differ = out
+                    .ne(&reference)?
+                    .to_dtype(DType::F32)?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                lt_same.push(differ == 0.0);
+            }
+        }
         let mut lt_ms = Vec::new();
         for algo in &heur {
-            let ms = time_ms(&dev, 3, reps, &mut || unsafe {
-                lt::matmul(
-                    handle,
-                    desc,
-                    &alpha as *const f32 as *const _,
-                    &beta as *const f32 as *const _,
-                    ap as *const _,
-                    la,
-                    bp as *const _,
-                    lb,
-                    cp as *const _,
-                    lc,
-                    cp as *mut _,
-                    lc,
-                    algo,
-                    ws_p as *mut _,
-                    ws_bytes,
-                    stream,
-                )
-                .map_err(lt_err("matmul"))
-            })?;
-            lt_ms.push(ms);
+            lt_ms.push(time_ms(&dev, 3, reps, &mut || lt_into(algo, cp, beta))?);
         }
         unsafe {
             let _ = lt::destroy_matrix_layout(la);
@@ -221,6 +267,7 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
             case: case.clone(),
             gemm_ex_ms,
             lt_ms,
+            lt_same,
         });
     }
     unsafe {
