@@ -846,27 +846,66 @@ __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
     return r;  // valid in thread 0
 }
 
+// The sum of squares of the 16 bytes at vector j of x (4 f32 or 8 bf16 values), in f64, in a fixed
+// pairwise order.
+template <typename T>
+__device__ __forceinline__ double sumsq16(const T* __restrict__ x, size_t j);
+template <>
+__device__ __forceinline__ double sumsq16<float>(const float* __restrict__ x, size_t j) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(x) + j);
+    const double a = q.x, b = q.y, c = q.z, d = q.w;
+    return (a * a + b * b) + (c * c + d * d);
+}
+template <>
+__device__ __forceinline__ double sumsq16<bf16>(const bf16* __restrict__ x, size_t j) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(x) + j);
+    const bf16* h = reinterpret_cast<const bf16*>(&q);
+    double e[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = (double)__bfloat162float(h[k]);
+    return ((e[0] * e[0] + e[1] * e[1]) + (e[2] * e[2] + e[3] * e[3])) +
+           ((e[4] * e[4] + e[5] * e[5]) + (e[6] * e[6] + e[7] * e[7]));
+}
+
 // The sum of squares of x[0..n) as `blocks` blocks (this one `block`) compute it: partial[block].
+// `vec` (x 16-byte aligned, the host checks): 16-byte loads over the whole vectors, two in flight
+// a thread (four spill at the 32 registers that keep all 1056 blocks resident), and the n % (16 / sizeof(T)) tail elements by block 0's first threads; else one
+// element a load. Either way the order of additions depends only on n, the grid and `vec`, so the
+// result is deterministic.
 template <typename T>
 __device__ __forceinline__ void sumsq_blocks(const T* __restrict__ x, size_t n, double* __restrict__ partial,
-                                             unsigned int blocks, unsigned int block) {
+                                             unsigned int blocks, unsigned int block, bool vec) {
     __shared__ double scratch[32];
-    // Four loads in flight per thread per iteration (the loop is bound by memory latency, not
-    // by the f64 math); the order of additions depends only on the grid, so it is deterministic.
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
     const size_t stride = (size_t)blocks * blockDim.x;
     size_t i = (size_t)block * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        const double a = (double)load_g<T>(x, i), b = (double)load_g<T>(x, i + stride),
-                     c = (double)load_g<T>(x, i + 2 * stride), e = (double)load_g<T>(x, i + 3 * stride);
-        s0 += a * a;
-        s1 += b * b;
-        s2 += c * c;
-        s3 += e * e;
-    }
-    for (; i < n; i += stride) {
-        const double a = (double)load_g<T>(x, i);
-        s0 += a * a;
+    if (vec) {
+        constexpr size_t V = 16 / sizeof(T);
+        const size_t nv = n / V;
+        for (; i + stride < nv; i += 2 * stride) {
+            s0 += sumsq16<T>(x, i);
+            s1 += sumsq16<T>(x, i + stride);
+        }
+        for (; i < nv; i += stride) s0 += sumsq16<T>(x, i);
+        if (block == 0 && threadIdx.x < n - nv * V) {
+            const double a = (double)load_g<T>(x, nv * V + threadIdx.x);
+            s2 += a * a;
+        }
+    } else {
+        // Four loads in flight per thread per iteration (the loop is bound by memory latency, not
+        // by the f64 math).
+        for (; i + 3 * stride < n; i += 4 * stride) {
+            const double a = (double)load_g<T>(x, i), b = (double)load_g<T>(x, i + stride),
+                         c = (double)load_g<T>(x, i + 2 * stride), e = (double)load_g<T>(x, i + 3 * stride);
+            s0 += a * a;
+            s1 += b * b;
+            s2 += c * c;
+            s3 += e * e;
+        }
+        for (; i < n; i += stride) {
+            const double a = (double)load_g<T>(x, i);
+            s0 += a * a;
+        }
     }
     double s = block_sum_f64((s0 + s1) + (s2 + s3), scratch);
     if (threadIdx.x == 0) partial[block] = s;
@@ -875,7 +914,7 @@ __device__ __forceinline__ void sumsq_blocks(const T* __restrict__ x, size_t n, 
 
 // Many tensors' sums of squares in two launches, each with the bits of its own grid of
 // SUMSQ_BLOCKS-capped blocks and a fixed-order sum of their partials: segment i is 4 u64s
-// (address, n, its first logical block, its block count | bf16 << 32). The grid is persistent
+// (address, n, its first logical block, its block count | bf16 << 32 | 16-byte aligned << 33). The grid is persistent
 // (gridDim.x >= every segment's block count): physical block p runs segment i's logical block
 // (p - first_i) mod gridDim.x when that is below its count, so one-block tensors spread over the
 // grid. Partials land at partial[first_i + logical block], as per-tensor launches lay them out.
@@ -889,8 +928,11 @@ extern "C" __global__ void __launch_bounds__(256, 8) vime_sumsq_multi(const unsi
         const unsigned int first = (unsigned int)sg[2], blocks = (unsigned int)(sg[3] & 0xffffffffu);
         const unsigned int lb = (p + g - first % g) % g;
         if (lb >= blocks) continue;
-        if (sg[3] >> 32) sumsq_blocks<bf16>(reinterpret_cast<const bf16*>(sg[0]), sg[1], partial + first, blocks, lb);
-        else sumsq_blocks<float>(reinterpret_cast<const float*>(sg[0]), sg[1], partial + first, blocks, lb);
+        const bool vec = (sg[3] >> 33) & 1;
+        if ((sg[3] >> 32) & 1)
+            sumsq_blocks<bf16>(reinterpret_cast<const bf16*>(sg[0]), sg[1], partial + first, blocks, lb, vec);
+        else
+            sumsq_blocks<float>(reinterpret_cast<const float*>(sg[0]), sg[1], partial + first, blocks, lb, vec);
         __syncthreads();  // the reduction's scratch is reused by the next segment
     }
 }

@@ -1902,7 +1902,14 @@ pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
             other => bail!("sum_squares: dtype {other:?} (f32 or bf16)"),
         };
         let blocks = SUMSQ_BLOCKS.min(n.div_ceil(256));
-        segs.extend([xp, n as u64, blocks_total as u64, blocks as u64 | (bf << 32)]);
+        // 16-byte loads where the tensor starts at a 16-byte boundary (a view may not).
+        let vec = u64::from(xp % 16 == 0);
+        segs.extend([
+            xp,
+            n as u64,
+            blocks_total as u64,
+            blocks as u64 | (bf << 32) | (vec << 33),
+        ]);
         slot.push(i);
         blocks_total += blocks;
     }

@@ -604,7 +604,8 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
 fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     // Two large tensors (a full grid of blocks each), an empty one, and 300 small ones of both
     // dtypes (one block each, some under one block's 256 threads): one launch finds every block's
-    // tensor, and each result must be its own.
+    // tensor, and each result must be its own. The last two are views that start off a 16-byte
+    // boundary (the one-element loads), the rest 16-byte loads with a tail of n % 4 or n % 8.
     let mut ts = vec![
         rng.randn(&[3_000_001], 1e-3, DType::F32, &Device::Cpu)?,
         Tensor::zeros(0, DType::F32, &Device::Cpu)?,
@@ -614,7 +615,16 @@ fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
         let dt = if i % 3 == 0 { DType::BF16 } else { DType::F32 };
         ts.push(rng.randn(&[1 + (i * 37) % 600], 1.0 + i as f64, dt, &Device::Cpu)?);
     }
-    let on: Vec<Tensor> = ts.iter().map(|t| t.to_device(gpu)).collect::<Result<_>>()?;
+    let unaligned = [
+        rng.randn(&[1_000_003], 1.0, DType::F32, &Device::Cpu)?,
+        rng.randn(&[700_001], 1.0, DType::BF16, &Device::Cpu)?,
+    ];
+    let mut on: Vec<Tensor> = ts.iter().map(|t| t.to_device(gpu)).collect::<Result<_>>()?;
+    for (t, skip) in unaligned.iter().zip([1usize, 3]) {
+        let n = t.elem_count() - skip;
+        ts.push(t.narrow(0, skip, n)?);
+        on.push(t.to_device(gpu)?.narrow(0, skip, n)?);
+    }
     let got = vime_kernels::cuda::sum_squares(&on.iter().collect::<Vec<_>>())?;
     let mut worst = 0f64;
     for (t, g) in ts.iter().zip(&got) {
@@ -625,7 +635,7 @@ fn check_sum_squares(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
     println!(
         "{:<26} {:<52} rel err vs host f64 {worst:.1e}  {}",
         "sum_squares",
-        "[3000001] f32, [0], [2560, 129] bf16, 300 small",
+        "[3000001] f32, [0], [2560, 129] bf16, 300 small, 2 unaligned",
         if ok { "ok" } else { "FAIL" }
     );
     if !ok {
