@@ -1100,7 +1100,9 @@ fn lm_head_bwd_core(
     let fp = tensor_addr::<f32>(fwd_out, "logprobs_entropy backward")?;
     let tg = upload_u32(dev, targets)?;
     let tgp = slice_addr(&tg, dev);
-    let dh_acc = dev.alloc_zeros::<f32>(t * hid)?;
+    // d_hidden's f32 sum over vocabulary chunks: the first chunk's GEMM writes it (beta 0), so it
+    // needs no zero fill.
+    let dh_acc = unsafe { dev.alloc::<f32>((t * hid).max(1)) }?;
     let dhp = slice_addr(&dh_acc, dev);
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
@@ -1150,7 +1152,7 @@ fn lm_head_bwd_core(
                 (DwOut::Bf16(p), None) => (p + (v0 * hid * 2) as u64, 0.0, false),
             };
             unsafe {
-                // d_hidden^T [H, rows] += W_c^T [H, vc] . dz^T [vc, rows]
+                // d_hidden^T [H, rows] (+)= W_c^T [H, vc] . dz^T [vc, rows]
                 gemm(
                     dev,
                     false,
@@ -1162,7 +1164,7 @@ fn lm_head_bwd_core(
                     hid,
                     dzp,
                     vc,
-                    1.0,
+                    if v0 == 0 { 0.0 } else { 1.0 },
                     dhp + (row0 * hid * 4) as u64,
                     true,
                     hid,

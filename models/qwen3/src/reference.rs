@@ -108,7 +108,7 @@ pub(crate) fn forward_backward(
     };
     params.insert("model.embed_tokens.weight".to_string(), ge);
     Ok((
-        loss_value,
+        crate::model::scalar_loss(&loss_value)?,
         Gradients {
             params,
             head: head_grads,
