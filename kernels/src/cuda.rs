@@ -96,7 +96,6 @@ macro_rules! launch {
 }
 
 mod fp8;
-mod lt;
 pub(crate) use fp8::fp8_quantize;
 pub use fp8::{fp8_matmul_t, Fp8Operand, Fp8Plan, Fp8Shape};
 
@@ -628,38 +627,9 @@ pub(crate) fn swiglu_bwd(
 // LM head: log-prob + entropy
 // ---------------------------------------------------------------------------------------------
 
-/// `C (col-major m x n, f32 or bf16) = op(A) op(B) + beta * C` with bf16 A, B: cuBLASLt's first
-/// heuristic algorithm for the shape ([`lt::gemm`]); an empty product (`k = 0`) through GemmEx,
-/// which writes `beta * C`.
-///
-/// Safety: the addresses must hold those extents on `dev`'s stream.
+/// `C (col-major m x n, f32 or bf16) = alpha * op(A) op(B) + beta * C` with bf16 A, B.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm(
-    dev: &CudaDevice,
-    ta: bool,
-    tb: bool,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: u64,
-    lda: usize,
-    b: u64,
-    ldb: usize,
-    beta: f32,
-    c: u64,
-    c_f32: bool,
-    ldc: usize,
-) -> Result<()> {
-    if k == 0 {
-        return gemm_ex(dev, ta, tb, m, n, k, a, lda, b, ldb, beta, c, c_f32, ldc);
-    }
-    lt::gemm(dev, ta, tb, m, n, k, a, lda, b, ldb, beta, c, c_f32, ldc)
-}
-
-/// `C (col-major m x n, f32 or bf16) = alpha * op(A) op(B) + beta * C` with bf16 A, B, by
-/// `cublasGemmEx` and its default algorithm (what candle's matmul runs; bench-gemm's baseline).
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_ex(
     dev: &CudaDevice,
     ta: bool,
     tb: bool,
@@ -1778,15 +1748,6 @@ pub fn single_stream(device: &candle_core::Device) -> Result<()> {
 /// per micro-batch, for the loss value), so the next step's allocations may map memory again.
 /// This is what torch's caching allocator does; the used-memory figure then includes the cache.
 /// Its effect on step time was not measured on its own (it landed with other changes, a0c0a1a).
-/// Makes the device's cuBLASLt context (handle and workspace) now, outside any CUDA graph
-/// capture: the workspace is a stream-ordered allocation, which a capture would take over.
-pub fn prepare_lt(device: &candle_core::Device) -> Result<()> {
-    match device {
-        candle_core::Device::Cuda(d) => lt::with_ctx(d, |_| Ok(())),
-        _ => Ok(()),
-    }
-}
-
 pub fn keep_pool_memory(device: &candle_core::Device) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::{result as drv, sys as drv_sys};
     let candle_core::Device::Cuda(d) = device else {
@@ -1871,73 +1832,6 @@ fn weight_grad_gemm(dy: &Tensor, x: &Tensor, acc: Option<&Tensor>) -> Result<Ten
         unsafe { gemm(&dev, false, true, d, n, t, xp, d, yp, n, beta, cp, true, d)? };
     }
     Ok(out)
-}
-
-/// Rows from which a linear layer's forward runs through [`gemm`] (cuBLASLt) rather than
-/// candle's matmul: the trainer's micro-batches and the engine's prefill. The engine's decode
-/// steps (at most 512 rows, replayed as CUDA graphs) keep the GEMMs their speed was measured with.
-pub(crate) const LT_MIN_ROWS: usize = 1024;
-
-/// `x . w^T` (`x: [T, I]`, `w: [O, I]` as HF stores a linear layer's weight) in bf16 through
-/// [`gemm`]: a linear layer's forward. Non-contiguous inputs are made contiguous first.
-pub(crate) fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (t, i) = x.dims2()?;
-    let (o, i2) = w.dims2()?;
-    if i != i2 {
-        bail!(
-            "matmul_t: x {:?} . w {:?}^T: inner dimensions differ",
-            x.dims(),
-            w.dims()
-        );
-    }
-    check_bf16("matmul_t", &[x.dtype(), w.dtype()])?;
-    let dev = match x.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("matmul_t: tensors must be on a CUDA device"),
-    };
-    let (x, w) = (x.contiguous()?, w.contiguous()?);
-    if t == 0 || o == 0 {
-        return Tensor::zeros((t, o), DType::BF16, x.device());
-    }
-    // Safety: the GEMM (beta 0) writes every element (an empty inner dimension through GemmEx).
-    let out = unsafe { dev.alloc::<bf16>(t * o) }?;
-    let yp = slice_addr(&out, &dev);
-    let (xp, wp) = (
-        tensor_addr::<bf16>(&x, "matmul_t x")?,
-        tensor_addr::<bf16>(&w, "matmul_t w")?,
-    );
-    // Column-major: Y^T [o, t] = (W as stored, [i, o])^T . X^T [i, t].
-    unsafe { gemm(&dev, true, false, o, t, i, wp, i, xp, i, 0.0, yp, false, o)? };
-    Ok(device_tensor(out, &dev, (t, o)))
-}
-
-/// `a . w` (`a: [T, O]`, `w: [O, I]`, the weight as stored) in bf16 through [`gemm`]: a linear
-/// layer's input gradient. Non-contiguous inputs are made contiguous first.
-pub(crate) fn matmul(a: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let (t, o) = a.dims2()?;
-    let (o2, i) = w.dims2()?;
-    if o != o2 {
-        bail!("matmul: a {:?} . w {:?}: inner dimensions differ", a.dims(), w.dims());
-    }
-    check_bf16("matmul", &[a.dtype(), w.dtype()])?;
-    let dev = match a.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("matmul: tensors must be on a CUDA device"),
-    };
-    let (a, w) = (a.contiguous()?, w.contiguous()?);
-    if t == 0 || i == 0 {
-        return Tensor::zeros((t, i), DType::BF16, a.device());
-    }
-    // Safety: the GEMM (beta 0) writes every element (an empty inner dimension through GemmEx).
-    let out = unsafe { dev.alloc::<bf16>(t * i) }?;
-    let yp = slice_addr(&out, &dev);
-    let (ap, wp) = (
-        tensor_addr::<bf16>(&a, "matmul a")?,
-        tensor_addr::<bf16>(&w, "matmul w")?,
-    );
-    // Column-major: Y^T [i, t] = (W as stored, [i, o]) . A^T [o, t].
-    unsafe { gemm(&dev, false, false, i, t, o, wp, i, ap, o, 0.0, yp, false, i)? };
-    Ok(device_tensor(out, &dev, (t, i)))
 }
 
 /// `acc += a . w` in place, bf16: `acc: [T, D]` (owned by the caller, not shared), `a: [T, I]`,

@@ -16,19 +16,13 @@ use crate::config::KernelConfig;
 use candle_core::{Result, Tensor};
 
 /// `x . w^T` (`x: [m, k]`, `w: [n, k]` as HF stores a linear layer) in `x`'s dtype; with
-/// `kernels.batch_invariant()` on bf16 CUDA tensors by the batch-invariant kernel, else on bf16
-/// CUDA tensors of at least `LT_MIN_ROWS` rows by cuBLASLt's first heuristic algorithm
-/// (`crate::cuda::matmul_t`), elsewhere candle's matmul.
+/// `kernels.batch_invariant()` on bf16 CUDA tensors by the batch-invariant kernel, else candle's
+/// matmul.
 pub fn matmul_t(x: &Tensor, w: &Tensor, kernels: &KernelConfig) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused(x.device(), x.dtype()) && w.dtype() == x.dtype() && x.rank() == 2 {
-        if kernels.batch_invariant() {
-            let (n, k) = w.dims2()?;
-            return crate::cuda::bi_matmul_t(x, w, false, crate::cuda::bi_splits(n, k));
-        }
-        if x.dim(0)? >= crate::cuda::LT_MIN_ROWS {
-            return crate::cuda::matmul_t(x, w);
-        }
+    if kernels.batch_invariant() && crate::cuda::fused(x.device(), x.dtype()) && w.dtype() == x.dtype() {
+        let (n, k) = w.dims2()?;
+        return crate::cuda::bi_matmul_t(x, w, false, crate::cuda::bi_splits(n, k));
     }
     let _ = kernels;
     x.matmul(&w.t()?)

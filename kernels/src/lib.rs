@@ -62,14 +62,13 @@ pub use rope::{rope, rope_backward};
 pub use swiglu::{swiglu, swiglu_backward, swiglu_packed};
 pub use vjp::vjp_seed;
 
-/// Readies a device that vime drives: on CUDA, [`cuda::keep_pool_memory`],
-/// [`cuda::single_stream`] and [`cuda::prepare_lt`]; nothing elsewhere. Call once, right after opening the device.
+/// Readies a device that vime drives: on CUDA, [`cuda::keep_pool_memory`] and
+/// [`cuda::single_stream`]; nothing elsewhere. Call once, right after opening the device.
 pub fn prepare_device(device: &candle_core::Device) -> candle_core::Result<()> {
     #[cfg(feature = "cuda")]
     {
         cuda::keep_pool_memory(device)?;
         cuda::single_stream(device)?;
-        cuda::prepare_lt(device)?;
     }
     #[cfg(not(feature = "cuda"))]
     let _ = device;
@@ -154,17 +153,6 @@ pub fn weight_grad_into(
     }
     let g = weight_grad(dy, x)?.to_dtype(acc.dtype())?;
     acc + g
-}
-
-/// `a . w` (`a: [T, I]`, `w: [I, D]`: a linear layer's input gradient from its output gradient
-/// and its weight as stored). Fused CUDA (bf16): one cuBLASLt GEMM with the heuristic's first
-/// algorithm (see `cuda/lt.rs`). Elsewhere: candle's matmul.
-pub fn matmul(a: &candle_core::Tensor, w: &candle_core::Tensor) -> candle_core::Result<candle_core::Tensor> {
-    #[cfg(feature = "cuda")]
-    if fused_cuda(a.device(), a.dtype()) && w.dtype() == a.dtype() && a.rank() == 2 && w.rank() == 2 {
-        return cuda::matmul(a, w);
-    }
-    a.matmul(w)
 }
 
 /// `acc + a . w` (`acc: [T, D]`, `a: [T, I]`, `w: [I, D]`), consuming `acc`. Fused CUDA (bf16):

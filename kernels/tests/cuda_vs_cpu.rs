@@ -202,11 +202,10 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
-    check_linear_gemms(&gpu, &mut rng, &mut failures)?;
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
-    checks += 9;
+    checks += 8;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -777,49 +776,6 @@ fn check_weight_grad_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String
         failures.push(format!(
             "weight_grad_into: rel err {err:e}, in place {in_place}, shape error {named}"
         ));
-    }
-    Ok(())
-}
-
-/// The linear layers' forward (`invariant::matmul_t` at a micro-batch's rows) and input gradient
-/// (`vime_kernels::matmul`), which run cuBLASLt's first heuristic algorithm (`cuda/lt.rs`), at
-/// Qwen3-4B's MLP and attention shapes: against the GPU's f32 product of the same bf16 values
-/// (bf16 output rounding: ~2e-3), and whether they equal candle's matmul (cublasGemmEx) bit for
-/// bit, which the module's choice expects (reported; a difference alone is no failure).
-fn check_linear_gemms(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    let t = 2048usize;
-    let kernels = vime_kernels::KernelConfig::default();
-    for (out, inp) in [(9728usize, 2560usize), (2560, 9728), (4096, 2560), (1024, 2560)] {
-        let x = rng.randn(&[t, inp], 1.0, DType::BF16, &Device::Cpu)?.to_device(gpu)?;
-        let w = rng
-            .randn(&[out, inp], 0.02, DType::BF16, &Device::Cpu)?
-            .to_device(gpu)?;
-        let dy = rng.randn(&[t, out], 1.0, DType::BF16, &Device::Cpu)?.to_device(gpu)?;
-        let (x32, w32, dy32) = (
-            x.to_dtype(DType::F32)?,
-            w.to_dtype(DType::F32)?,
-            dy.to_dtype(DType::F32)?,
-        );
-        let fwd = vime_kernels::invariant::matmul_t(&x, &w, &kernels)?;
-        let dgrad = vime_kernels::matmul(&dy, &w)?;
-        let err_f = rel_err(&fwd.to_dtype(DType::F32)?, &x32.matmul(&w32.t()?)?)?;
-        let err_d = rel_err(&dgrad.to_dtype(DType::F32)?, &dy32.matmul(&w32)?)?;
-        let differ =
-            |a: &Tensor, b: &Tensor| -> Result<f32> { a.ne(b)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>() };
-        let same_f = differ(&fwd, &x.matmul(&w.t()?)?)? == 0.0;
-        let same_d = differ(&dgrad, &dy.matmul(&w)?)? == 0.0;
-        let ok = err_f <= 5e-3 && err_d <= 5e-3 && fwd.dims() == [t, out] && dgrad.dims() == [t, inp];
-        println!(
-            "{:<26} {:<52} rel err vs f32 fwd {err_f:.1e} dgrad {err_d:.1e}; candle's bits: fwd {same_f}, dgrad {same_d}  {}",
-            "linear GEMMs (cuBLASLt)",
-            format!("[{t}, {inp}] x [{out}, {inp}]^T and back"),
-            if ok { "ok" } else { "FAIL" }
-        );
-        if !ok {
-            failures.push(format!(
-                "linear GEMMs [{out}, {inp}]: rel err fwd {err_f:e}, dgrad {err_d:e}"
-            ));
-        }
     }
     Ok(())
 }

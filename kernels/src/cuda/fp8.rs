@@ -11,9 +11,10 @@
 use super::{device_tensor, i32_of, tensor_addr, FP8_PTX};
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys as lt_sys};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::cuda_backend::{CudaDevice, DeviceId, WrapErr};
 use candle_core::{bail, DType, Result, Tensor};
 use half::bf16;
+use std::sync::{Mutex, OnceLock};
 
 fn dev_of(t: &Tensor, what: &str) -> Result<CudaDevice> {
     match t.device() {
@@ -316,6 +317,19 @@ impl Fp8Plan {
     }
 }
 
+/// A cuBLASLt handle, its workspace and the plans made so far, per device.
+struct LtCtx {
+    device: DeviceId,
+    handle: lt_sys::cublasLtHandle_t,
+    workspace: Tensor,
+    plans: Vec<Fp8Plan>,
+}
+
+// Safety: used only under the lock of `LT`.
+unsafe impl Send for LtCtx {}
+
+static LT: OnceLock<Mutex<Vec<LtCtx>>> = OnceLock::new();
+
 /// One operand of [`fp8_matmul_t`]: FP8 bits `[rows, k]` (row-major, contiguous) and their
 /// `scale_inv` (f32 `[1]`).
 #[derive(Clone, Copy)]
@@ -406,19 +420,32 @@ pub fn fp8_matmul_t(
         beta,
         fast_accum,
     };
+    let mut all = LT.get_or_init(|| Mutex::new(Vec::new())).lock().unwrap();
+    let ctx = match all.iter().position(|c| c.device == dev.id()) {
+        Some(i) => &mut all[i],
+        None => {
+            let handle = lt::create_handle().map_err(lt_err("handle"))?;
+            let workspace = Tensor::zeros(LT_WORKSPACE, DType::U8, x.bits.device())?;
+            all.push(LtCtx {
+                device: dev.id(),
+                handle,
+                workspace,
+                plans: Vec::new(),
+            });
+            all.last_mut().expect("just pushed")
+        }
+    };
+    let plan = match ctx.plans.iter().position(|p| p.shape == shape) {
+        Some(i) => &ctx.plans[i],
+        None => {
+            // Safety: the context's handle lives as long as the context.
+            let p = unsafe { Fp8Plan::new(ctx.handle, shape, 1)? };
+            ctx.plans.push(p);
+            ctx.plans.last().expect("just pushed")
+        }
+    };
+    let wsp = tensor_addr::<u8>(&ctx.workspace, "fp8 workspace")?;
     let stream = dev.cuda_stream().cu_stream() as lt_sys::cudaStream_t;
-    super::lt::with_ctx(&dev, |ctx| {
-        let i = match ctx.fp8_plans.iter().position(|p| p.shape == shape) {
-            Some(i) => i,
-            None => {
-                // Safety: the context's handle lives as long as the context.
-                let p = unsafe { Fp8Plan::new(ctx.handle, shape, 1)? };
-                ctx.fp8_plans.push(p);
-                ctx.fp8_plans.len() - 1
-            }
-        };
-        let wsp = tensor_addr::<u8>(&ctx.workspace, "fp8 workspace")?;
-        unsafe { ctx.fp8_plans[i].run(ctx.handle, 0, ap, asp, bp, bsp, cp, wsp, stream) }
-    })?;
+    unsafe { plan.run(ctx.handle, 0, ap, asp, bp, bsp, cp, wsp, stream)? };
     Ok(out)
 }

@@ -1,12 +1,12 @@
 //! A microbenchmark of the training step's GEMMs (`vime-train bench-gemm`): each linear layer's
-//! forward, input-gradient and weight-gradient GEMM at its real shape, timed with CUDA events
-//! through cuBLAS `GemmEx` with its default algorithm (what candle's matmul runs) and through
-//! cuBLASLt with each of its top heuristic algorithms (the first is what the training path runs,
-//! `super::lt`), with whether each algorithm gives GemmEx's bits, to show how much a different
-//! algorithm choice (or a fused q|k|v, gate|up layer) could take off a step.
+//! forward, input-gradient and weight-gradient GEMM at its real shape, timed with CUDA events as
+//! the training path calls it (cuBLAS `GemmEx`, default algorithm), and the same GEMM through
+//! cuBLASLt with each of its top heuristic algorithms timed, to show how much a different
+//! algorithm choice (or a fused q|k|v, gate|up layer) could take off a step before any of it is
+//! built into the training path.
 //!
 //! Column-major throughout (cuBLAS's view of the row-major tensors): `C [m, n] = op(A) op(B)`.
-use super::{gemm_ex, tensor_addr};
+use super::{gemm, tensor_addr};
 use candle_core::cuda_backend::cudarc::cublaslt::{result as lt, sys as lt_sys};
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
@@ -100,7 +100,7 @@ impl GemmTiming {
 }
 
 /// Mean ms per call of `f` over `reps` calls after `warm` calls, by CUDA events on the stream.
-pub(crate) fn time_ms(dev: &CudaDevice, warm: usize, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+fn time_ms(dev: &CudaDevice, warm: usize, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..warm {
         f()?;
     }
@@ -149,7 +149,7 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
             tensor_addr::<bf16>(&c, "c")?
         };
         let gemm_ex_ms = time_ms(&dev, 3, reps, &mut || unsafe {
-            gemm_ex(
+            gemm(
                 &dev, case.ta, case.tb, case.m, case.n, case.k, ap, ar, bp, br, case.beta, cp, case.c_f32, case.m,
             )
         })?;
@@ -224,7 +224,7 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
             };
             let reference = fresh()?;
             unsafe {
-                gemm_ex(
+                gemm(
                     &dev,
                     case.ta,
                     case.tb,

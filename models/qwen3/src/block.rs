@@ -834,17 +834,13 @@ impl Block {
         let h2 = &sp_gather(ctx, tp, h2)?;
         put_wgrad(grads, name("mlp.down_proj.weight"), &dy_all, &act)?;
         drop(act);
-        let ds = vime_kernels::matmul(&dy_all, &dw(&self.down_proj))?;
+        let ds = dy_all.matmul(&dw(&self.down_proj))?;
         drop(dy_all);
         let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
         drop(ds);
         // The input gradient first; its reduction runs while gate's and up's weight gradients
         // are computed.
-        let dh2 = matmul_acc(
-            vime_kernels::matmul(&dg, &dw(&self.gate_proj))?,
-            &du,
-            &dw(&self.up_proj),
-        )?;
+        let dh2 = matmul_acc(dg.matmul(&dw(&self.gate_proj))?, &du, &dw(&self.up_proj))?;
         let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
             put_wgrad(grads, name("mlp.gate_proj.weight"), &dg, h2)?;
             put_wgrad(grads, name("mlp.up_proj.weight"), &du, h2)
@@ -897,7 +893,7 @@ impl Block {
             }
             None => {
                 put_wgrad(grads, name("self_attn.o_proj.weight"), &dx2_all, &a2)?;
-                vime_kernels::matmul(&dx2_all, &dw(&self.o_proj))?
+                dx2_all.matmul(&dw(&self.o_proj))?
             }
         };
         let da = da.reshape((t, nh, d))?;
@@ -954,7 +950,7 @@ impl Block {
         let dh1 = match &qkv8 {
             Some((_, q8, k8, v8)) => self.dgrad_fp8_sum(ctx, &[(q8, Proj::Q), (k8, Proj::K), (v8, Proj::V)])?,
             None => {
-                let dh1 = matmul_acc(vime_kernels::matmul(&dq, &dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
+                let dh1 = matmul_acc(dq.matmul(&dw(&self.q_proj))?, &dk, &dw(&self.k_proj))?;
                 matmul_acc(dh1, &dv, &dw(&self.v_proj))?
             }
         };
