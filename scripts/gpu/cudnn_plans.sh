@@ -42,7 +42,8 @@ step() {
   r=$(grep '^RESULT' /tmp/cudnn_plan_run.txt)
   if [ -n "$r" ]; then
     echo "$m ${extra[*]} plan fwd=$f bwd=$b: $r" >> "$LOG"
-    echo "$r" | sed -E 's/.*step ([0-9.]+) s.*/\1/'
+    # tokens/step over tokens/s: 5 digits (the printed step time has 3 decimals)
+    echo "$r" | sed -E 's#.*tokens/step ([0-9]+) .*, ([0-9]+) tokens/s.*#\1 \2#' | awk '{printf "%.5f\n", $1 / $2}'
   else
     echo "$m ${extra[*]} plan fwd=$f bwd=$b: FAILED: $(grep -iE 'error|panic' /tmp/cudnn_plan_run.txt | tail -1)" >> "$LOG"
     echo fail
