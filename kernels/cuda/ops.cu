@@ -869,8 +869,8 @@ __device__ __forceinline__ double sumsq16<bf16>(const bf16* __restrict__ x, size
 
 // The sum of squares of x[0..n) as `blocks` blocks (this one `block`) compute it: partial[block].
 // `vec` (x 16-byte aligned, the host checks): 16-byte loads over the whole vectors, two in flight
-// a thread (four spill at the 32 registers that keep all 1056 blocks resident), and the n % (16 / sizeof(T)) tail elements by block 0's first threads; else one
-// element a load. Either way the order of additions depends only on n, the grid and `vec`, so the
+// a thread (four spill at the 32 registers that keep all 1056 blocks resident), and the
+// n % (16 / sizeof(T)) tail elements by block 0's first threads; else one element a load. Either way the order of additions depends only on n, the grid and `vec`, so the
 // result is deterministic.
 template <typename T>
 __device__ __forceinline__ void sumsq_blocks(const T* __restrict__ x, size_t n, double* __restrict__ partial,
@@ -914,10 +914,10 @@ __device__ __forceinline__ void sumsq_blocks(const T* __restrict__ x, size_t n, 
 
 // Many tensors' sums of squares in two launches, each with the bits of its own grid of
 // SUMSQ_BLOCKS-capped blocks and a fixed-order sum of their partials: segment i is 4 u64s
-// (address, n, its first logical block, its block count | bf16 << 32 | 16-byte aligned << 33). The grid is persistent
-// (gridDim.x >= every segment's block count): physical block p runs segment i's logical block
-// (p - first_i) mod gridDim.x when that is below its count, so one-block tensors spread over the
-// grid. Partials land at partial[first_i + logical block], as per-tensor launches lay them out.
+// (address, n, its first logical block, its block count | bf16 << 32 | 16-byte aligned << 33).
+// The grid is persistent (gridDim.x >= every segment's block count): physical block p runs
+// segment i's logical block (p - first_i) mod gridDim.x when that is below its count, so one-block
+// tensors spread over the grid. Partials land at partial[first_i + logical block], as per-tensor launches lay them out.
 // (8 blocks of 256 an SM, all 1056 resident: a persistent block that waited for a free SM would
 // run its whole share after the others.)
 extern "C" __global__ void __launch_bounds__(256, 8) vime_sumsq_multi(const unsigned long long* __restrict__ segs, int nseg,

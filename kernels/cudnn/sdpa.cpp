@@ -73,7 +73,6 @@ using Key = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int64
 struct Entry {
     std::shared_ptr<fe::graph::Graph> graph;
     int64_t workspace = 0;
-    int64_t plan = -1;  // the plan index executed (-1: the heuristics' candidate)
 };
 
 std::mutex g_mutex;
@@ -225,7 +224,6 @@ std::string build(const VimeSdpaArgs& a, cudnnHandle_t handle, Entry& out) {
     if (!st.is_good()) return st.get_message();
     out.graph = g;
     out.workspace = ws;
-    out.plan = a.plan;
     return "";
 }
 
@@ -332,8 +330,9 @@ int vime_cudnn_sdpa_run(const VimeSdpaArgs* a, char* err, size_t n) {
             pack[DK] = a->dk;
             pack[DV] = a->dv;
         }
-        fe::error_t st = e->plan < 0 ? e->graph->execute(handle, pack, a->workspace)
-                                      : e->graph->execute_plan_at_index(handle, pack, a->workspace, e->plan);
+        // The plan is part of the graph's key, so this entry was built for a->plan.
+        fe::error_t st = a->plan < 0 ? e->graph->execute(handle, pack, a->workspace)
+                                      : e->graph->execute_plan_at_index(handle, pack, a->workspace, a->plan);
         if (!st.is_good()) {
             set_err(err, n, st.get_message());
             return 5;

@@ -143,11 +143,14 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
         let c_dtype = if case.c_f32 { DType::F32 } else { DType::BF16 };
         let c = Tensor::randn(0f32, 1.0, (case.n, case.m), device)?.to_dtype(c_dtype)?;
         let (ap, bp) = (tensor_addr::<bf16>(&a, "a")?, tensor_addr::<bf16>(&b, "b")?);
-        let cp = if case.c_f32 {
-            tensor_addr::<f32>(&c, "c")?
-        } else {
-            tensor_addr::<bf16>(&c, "c")?
+        let addr = |t: &Tensor| {
+            if case.c_f32 {
+                tensor_addr::<f32>(t, "c")
+            } else {
+                tensor_addr::<bf16>(t, "c")
+            }
         };
+        let cp = addr(&c)?;
         let gemm_ex_ms = time_ms(&dev, 3, reps, &mut || unsafe {
             gemm(
                 &dev, case.ta, case.tb, case.m, case.n, case.k, ap, ar, bp, br, case.beta, cp, case.c_f32, case.m,
@@ -215,13 +218,6 @@ pub fn bench(device: &Device, cases: &[GemmCase], algos: usize, reps: usize) -> 
         let mut lt_same = Vec::new();
         if case.beta == 0.0 {
             let fresh = || Tensor::full(f32::NAN, (case.n, case.m), device)?.to_dtype(c_dtype);
-            let addr = |t: &Tensor| {
-                if case.c_f32 {
-                    tensor_addr::<f32>(t, "c")
-                } else {
-                    tensor_addr::<bf16>(t, "c")
-                }
-            };
             let reference = fresh()?;
             unsafe {
                 gemm(

@@ -1052,7 +1052,7 @@ impl Qwen3 {
 
         // Head: final norm + the caller's loss. Every gradient is added to `sums` (the earlier
         // micro-batches'; the weight GEMMs accumulate into them in place).
-        let (loss_value, mut g, head_grads, tied_head_grad) = match head {
+        let (loss, mut g, head_grads, tied_head_grad) = match head {
             Head::Lm(loss_fn) => self.lm_head_explicit(&x, batch, loss_fn, &mut params, tp, head_sum)?,
             // Under SP a custom head (the critic's value head, replicated over TP) sees every
             // token: the last residual is gathered, the head runs on the whole batch on every rank
@@ -1133,7 +1133,7 @@ impl Qwen3 {
         // The loss value last: reading it waits for the device, and read before the backward it
         // left the GPU idle while the host queued the head's backward (~0.4-0.8 ms a micro-batch
         // at 4B in the timeline, allocations included).
-        let loss_value = scalar_loss(&loss_value)?;
+        let loss_value = scalar_loss(&loss)?;
         Ok((
             loss_value,
             Gradients {

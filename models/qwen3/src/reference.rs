@@ -83,7 +83,7 @@ pub(crate) fn forward_backward(
     }
 
     let mut params: BTreeMap<String, Tensor> = BTreeMap::new();
-    let (loss_value, mut g, head_grads, tied_head_grad) = m.autograd_head(&x, batch, head, &mut params)?;
+    let (loss, mut g, head_grads, tied_head_grad) = m.autograd_head(&x, batch, head, &mut params)?;
 
     for (i, l) in m.blocks.iter().enumerate().rev() {
         let (leaf, y) = match kept[i].take() {
@@ -108,7 +108,7 @@ pub(crate) fn forward_backward(
     };
     params.insert("model.embed_tokens.weight".to_string(), ge);
     Ok((
-        crate::model::scalar_loss(&loss_value)?,
+        crate::model::scalar_loss(&loss)?,
         Gradients {
             params,
             head: head_grads,
