@@ -284,6 +284,16 @@ void vime_cudnn_graph_stats(int64_t* built, double* seconds) {
     *seconds = g_build_seconds;
 }
 
+// The loaded cuDNN's version (major * 10000 + minor * 100 + patch), 0 before the first load.
+int64_t vime_cudnn_backend_version() {
+    try {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        return fe::cudnn_dlhandle ? static_cast<int64_t>(fe::detail::get_backend_version()) : 0;
+    } catch (...) {
+        return 0;
+    }
+}
+
 // Builds (or finds) the graph for `a` and reports its workspace size. 0 on success.
 int vime_cudnn_sdpa_workspace(const VimeSdpaArgs* a, int64_t* bytes, char* err, size_t n) {
     try {

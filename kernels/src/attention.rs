@@ -65,6 +65,18 @@ pub fn cudnn_graph_stats() -> (u64, f64) {
     }
 }
 
+/// The loaded cuDNN's version (`None` before its first use or without the cudnn feature).
+pub fn cudnn_version() -> Option<String> {
+    #[cfg(feature = "cudnn")]
+    {
+        crate::cudnn::backend_version()
+    }
+    #[cfg(not(feature = "cudnn"))]
+    {
+        None
+    }
+}
+
 /// Whether the kernel op (CPU, or fused CUDA: bf16 with head_dim 128) takes these tensors; the
 /// composed path runs everything else.
 fn kernel_path(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {

@@ -76,6 +76,15 @@ extern "C" {
     fn vime_cudnn_sdpa_workspace(a: *const SdpaArgs, bytes: *mut i64, err: *mut c_char, n: usize) -> i32;
     fn vime_cudnn_sdpa_run(a: *const SdpaArgs, err: *mut c_char, n: usize) -> i32;
     fn vime_cudnn_graph_stats(built: *mut i64, seconds: *mut f64);
+    fn vime_cudnn_backend_version() -> i64;
+}
+
+/// The version of the cuDNN library loaded at first use (`9.28.1`), `None` before that: which
+/// cuDNN runs depends on the loader's path or `VIME_CUDNN_LIB`, so results record it.
+#[cfg(feature = "cudnn")]
+pub fn backend_version() -> Option<String> {
+    let v = unsafe { vime_cudnn_backend_version() };
+    (v > 0).then(|| format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100))
 }
 
 /// cuDNN graphs built so far in this process and the host seconds spent building them (each new

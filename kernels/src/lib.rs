@@ -48,7 +48,8 @@ pub mod testing;
 pub mod vjp;
 
 pub use attention::{
-    cudnn_graph_stats, varlen_attention, varlen_attention_backward, varlen_attention_saved, AttentionSaved,
+    cudnn_graph_stats, cudnn_version, varlen_attention, varlen_attention_backward, varlen_attention_saved,
+    AttentionSaved,
 };
 pub use config::{AttentionBackend, CudnnFailure, DecodeKernel, KernelConfig, CUDNN_BUILT};
 pub use embedding::{embedding_backward, embedding_backward_into};

@@ -458,6 +458,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "fp8": args.fp8.fp8_format.as_ref().map(|f| format!("{f} {}", args.fp8.fp8_recipe)),
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,
+        "cudnn_version": vime_kernels::cudnn_version(),
         "seq_len": args.seq_len,
         "tokens_per_micro_batch": args.max_tokens_per_gpu,
         "micro_batches": plan.len(),
@@ -497,7 +498,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         peak as f64 / (1u64 << 30) as f64
     );
     if graphs > 0 {
-        println!("cuDNN attention: {graphs} graphs built, {build_s:.2} s of host time (warm-up included)");
+        let v = out["cudnn_version"].as_str().unwrap_or("?");
+        println!("cuDNN {v} attention: {graphs} graphs built, {build_s:.2} s of host time (warm-up included)");
     }
     if let Some(p) = &args.json {
         std::fs::write(p, serde_json::to_string_pretty(&out)?).with_context(|| format!("writing {}", p.display()))?;
