@@ -65,16 +65,20 @@ pub fn cudnn_graph_stats() -> (u64, f64) {
     }
 }
 
-/// The loaded cuDNN's version (`None` before its first use or without the cudnn feature).
+/// The loaded cuDNN's version, `9.28.1` (`None` before its first use or without the cudnn
+/// feature): which cuDNN runs depends on the loader's path or `VIME_CUDNN_LIB`, so results
+/// record it.
 pub fn cudnn_version() -> Option<String> {
     #[cfg(feature = "cudnn")]
-    {
-        crate::cudnn::backend_version()
-    }
+    let v = crate::cudnn::backend_version();
     #[cfg(not(feature = "cudnn"))]
-    {
-        None
-    }
+    let v = 0;
+    version_string(v)
+}
+
+/// `major.minor.patch` of a cuDNN 9 `CUDNN_VERSION` (major * 10000 + minor * 100 + patch).
+fn version_string(v: i64) -> Option<String> {
+    (v > 0).then(|| format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100))
 }
 
 /// Whether the kernel op (CPU, or fused CUDA: bf16 with head_dim 128) takes these tensors; the
@@ -591,5 +595,19 @@ impl CustomOp3 for VarlenAttentionBwd {
             &f.kernels,
             &f.lse,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::version_string;
+
+    #[test]
+    fn cudnn_version_reads_as_major_minor_patch() {
+        // cudnn_version.h: CUDNN_VERSION = MAJOR * 10000 + MINOR * 100 + PATCHLEVEL; the pinned
+        // headers are 9.19.0 (91900), the kit's library 9.28.1 (92801).
+        assert_eq!(version_string(91900).as_deref(), Some("9.19.0"));
+        assert_eq!(version_string(92801).as_deref(), Some("9.28.1"));
+        assert_eq!(version_string(0), None);
     }
 }

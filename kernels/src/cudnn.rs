@@ -79,12 +79,11 @@ extern "C" {
     fn vime_cudnn_backend_version() -> i64;
 }
 
-/// The version of the cuDNN library loaded at first use (`9.28.1`), `None` before that: which
-/// cuDNN runs depends on the loader's path or `VIME_CUDNN_LIB`, so results record it.
+/// `CUDNN_VERSION` of the library loaded at first use (major * 10000 + minor * 100 + patch), 0
+/// before that.
 #[cfg(feature = "cudnn")]
-pub fn backend_version() -> Option<String> {
-    let v = unsafe { vime_cudnn_backend_version() };
-    (v > 0).then(|| format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100))
+pub fn backend_version() -> i64 {
+    unsafe { vime_cudnn_backend_version() }
 }
 
 /// cuDNN graphs built so far in this process and the host seconds spent building them (each new

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # A newer cuDNN for the GPU machine (issue 21): its torch wheel ships cuDNN 9.19, whose SDPA
 # engines vime's attention runs on; PyPI has later releases. The GPU machine has no network, so
-# this script packs the four libraries vime's SDPA graphs load (libcudnn, graph, heuristic,
-# runtime-compiled engines: about 280 MB) into xz parts small enough for the device tool, and
-# unpacks them there.
+# this script packs four of its libraries (libcudnn, graph, heuristic, runtime-compiled engines:
+# about 280 MB) into xz parts small enough for the device tool, and unpacks them there. That these
+# four are all vime's SDPA graphs need is a guess from the libraries' strings (the runtime-compiled
+# one names the sm90 SDPA engines; the precompiled one names none); if cuDNN reports a missing
+# sub-library, add it to LIBS (libcudnn_engines_precompiled / _tensor_ir: ~250 MB each).
 #
 #   here:  scripts/gpu/cudnn_kit.sh build            # -> gpu-carry/cudnn/part.NN, LIBS.sha256
 #   there: scripts/gpu/cudnn_kit.sh part NN          # one call a part, the machine kept warm
 #          scripts/gpu/cudnn_kit.sh install          # joins, unpacks into $DEST, checks sha256s
-#          export LD_LIBRARY_PATH=$DEST:$LD_LIBRARY_PATH   # or VIME_CUDNN_DIR=$DEST for the
-#                                                          # scripts that read it
+#          export LD_LIBRARY_PATH=$DEST:$LD_LIBRARY_PATH   # after sourcing device-env.sh
 #
 # Status (2026-12-05): `build` was run here (three parts of 26 MB, 76 MB packed). `part` and
 # `install`, and any timing of cuDNN 9.28 against 9.19, were NOT run: no GPU machine could be

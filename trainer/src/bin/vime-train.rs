@@ -176,7 +176,7 @@ fn run(cli: Cli) -> Result<i32> {
             let summary = vime_trainer::train::run(&cli.train)?;
             let (graphs, build_s) = vime_kernels::cudnn_graph_stats();
             if graphs > 0 {
-                let v = vime_kernels::cudnn_version().unwrap_or_default();
+                let v = vime_kernels::cudnn_version().unwrap_or_else(|| "?".into());
                 eprintln!("cuDNN {v} attention: {graphs} graphs built, {build_s:.2} s of host time");
             }
             if let Some(p) = &summary.metrics_file {
