@@ -964,6 +964,34 @@ fn stopped_engine_mid_rollout_is_left_for_the_survivor() {
     assert!(st.hung_detected >= 1 && st.retries >= 1, "{st:?}");
 }
 
+#[test]
+fn launcher_does_not_take_another_processs_server_on_its_port_for_its_engine() {
+    // Someone else's healthy server already listens on the engine's port; the engine cannot bind
+    // it and exits. Health answers 200 all along, but from another process group: the launch
+    // must report the engine's exit, not hand back a URL that reaches someone else's server.
+    let (url, _rt) = stand_in(|v| async move { completion(&v) });
+    let port: u16 = url.rsplit(':').next().unwrap().parse().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = VllmLaunchConfig {
+        program: PathBuf::from("/bin/sh"),
+        program_args: vec![
+            "-c".into(),
+            "sleep 1; echo 'address already in use' >&2; exit 1".into(),
+            "sh".into(),
+        ],
+        model: "some-model".into(),
+        base_port: Some(port),
+        log_dir: logs.path().to_path_buf(),
+        health_timeout: Duration::from_secs(30),
+        ..Default::default()
+    };
+    let err = format!("{:#}", VllmLauncher::launch(&cfg).err().expect("launch must fail"));
+    assert!(
+        err.contains("exited") && err.contains("address already in use"),
+        "{err}"
+    );
+}
+
 /// A stand-in engine on its own runtime: `/health` 200, and `/v1/completions` as `answer` says.
 fn stand_in<F, Fut>(answer: F) -> (String, tokio::runtime::Runtime)
 where

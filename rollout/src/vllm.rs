@@ -1221,9 +1221,63 @@ impl Default for VllmLaunchConfig {
 }
 
 struct Launched {
+    /// Which engine (0-based), for a restart on a new port.
+    index: usize,
+    port: u16,
+    /// The port came from [`pick_free_port`] (not `--vllm-base-port`), so another may be tried.
+    picked: bool,
     url: String,
     child: Child,
     log: PathBuf,
+}
+
+/// Whether the socket listening on `port` belongs to a process of process group `pgid` (a
+/// launched engine and its workers): `None` where Linux's /proc cannot tell. A free port is
+/// picked, released, then bound by the engine; in between, another process may take it, and
+/// `GET /health` would then be answered by someone else's server.
+fn port_owned_by_group(port: u16, pgid: u32) -> Option<bool> {
+    let mut inodes = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local_port = f
+                .get(1)
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|h| u16::from_str_radix(h, 16).ok());
+            if f.len() > 9 && local_port == Some(port) && f[3] == "0A" {
+                inodes.push(format!("socket:[{}]", f[9]));
+            }
+        }
+    }
+    if inodes.is_empty() {
+        return None;
+    }
+    for proc_dir in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(stat) = std::fs::read_to_string(proc_dir.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so read after the last ')'.
+        let pgrp = stat
+            .rsplit(')')
+            .next()
+            .and_then(|rest| rest.split_whitespace().nth(2)?.parse::<u32>().ok());
+        if pgrp != Some(pgid) {
+            continue;
+        }
+        let Ok(fds) = std::fs::read_dir(proc_dir.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|t| inodes.iter().any(|i| t.as_os_str() == i.as_str())) {
+                return Some(true);
+            }
+        }
+    }
+    Some(false)
 }
 
 /// Engines started by vime; stopped (process group SIGTERM, then SIGKILL) on drop.
@@ -1300,81 +1354,106 @@ impl VllmLauncher {
                     .ok_or_else(|| anyhow!("port {p} + {i} overflows"))?,
                 None => pick_free_port()?,
             };
-            let log = cfg.log_dir.join(format!("vllm-engine-{i}.log"));
-            let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-            let err = out.try_clone()?;
-            let mut cmd = Command::new(&cfg.program);
-            cmd.args(cfg.args(port))
-                .env("VLLM_SERVER_DEV_MODE", "1")
-                .envs(
-                    cfg.allowed_weights_root
-                        .iter()
-                        .map(|r| ("VIME_ALLOWED_WEIGHTS_ROOT", r)),
-                )
-                .envs(cfg.env.iter().map(|(k, v)| (k, v)))
-                .stdin(Stdio::null())
-                .stdout(out)
-                .stderr(err);
-            if let Some(list) = cfg.visible_devices(i) {
-                cmd.env("CUDA_VISIBLE_DEVICES", list);
-            }
-            {
-                use std::os::unix::process::CommandExt;
-                cmd.process_group(0);
-                // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
-                unsafe {
-                    cmd.pre_exec(|| {
-                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                        Ok(())
-                    });
-                }
-            }
-            let child = cmd.spawn().with_context(|| {
-                format!(
-                    "starting {} {} (see --vllm-command)",
-                    cfg.program.display(),
-                    cfg.args(port).join(" ")
-                )
-            })?;
-            let host = if cfg.host == "0.0.0.0" {
-                "127.0.0.1"
-            } else {
-                cfg.host.as_str()
-            };
-            eprintln!(
-                "vime: started vLLM engine {i} (pid {}) on {host}:{port}, log {}",
-                child.id(),
-                log.display()
-            );
-            if is_loopback_host(&cfg.host) {
-                eprintln!(
-                    "vime: engine {i}'s dev endpoints (/collective_rpc, /pause, /sleep, weight transfer; \
-                     VLLM_SERVER_DEV_MODE=1) are exposed on {}:{port}, loopback only",
-                    cfg.host
-                );
-            } else {
-                eprintln!(
-                    "vime: SECURITY WARNING: engine {i}'s dev endpoints (/collective_rpc, /pause, /sleep, \
-                     weight transfer; VLLM_SERVER_DEV_MODE=1) are exposed on {}:{port}, a non-loopback \
-                     address: anyone who can reach it can replace the engine's weights",
-                    cfg.host
-                );
-            }
-            launcher.engines.push(Launched {
-                url: format!("http://{host}:{port}"),
-                child,
-                log,
-            });
+            launcher
+                .engines
+                .push(Self::spawn(cfg, i, port, cfg.base_port.is_none())?);
         }
-        launcher.wait_healthy(cfg.health_timeout)?;
+        launcher.wait_healthy(cfg)?;
         Ok(launcher)
     }
 
-    fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
+    /// Starts engine `i` on `port`.
+    fn spawn(cfg: &VllmLaunchConfig, i: usize, port: u16, picked: bool) -> Result<Launched> {
+        let log = cfg.log_dir.join(format!("vllm-engine-{i}.log"));
+        let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        let mut cmd = Command::new(&cfg.program);
+        cmd.args(cfg.args(port))
+            .env("VLLM_SERVER_DEV_MODE", "1")
+            .envs(
+                cfg.allowed_weights_root
+                    .iter()
+                    .map(|r| ("VIME_ALLOWED_WEIGHTS_ROOT", r)),
+            )
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        if let Some(list) = cfg.visible_devices(i) {
+            cmd.env("CUDA_VISIBLE_DEVICES", list);
+        }
+        {
+            use std::os::unix::process::CommandExt;
+            cmd.process_group(0);
+            // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().with_context(|| {
+            format!(
+                "starting {} {} (see --vllm-command)",
+                cfg.program.display(),
+                cfg.args(port).join(" ")
+            )
+        })?;
+        let host = if cfg.host == "0.0.0.0" {
+            "127.0.0.1"
+        } else {
+            cfg.host.as_str()
+        };
+        eprintln!(
+            "vime: started vLLM engine {i} (pid {}) on {host}:{port}, log {}",
+            child.id(),
+            log.display()
+        );
+        if is_loopback_host(&cfg.host) {
+            eprintln!(
+                "vime: engine {i}'s dev endpoints (/collective_rpc, /pause, /sleep, weight transfer; \
+                 VLLM_SERVER_DEV_MODE=1) are exposed on {}:{port}, loopback only",
+                cfg.host
+            );
+        } else {
+            eprintln!(
+                "vime: SECURITY WARNING: engine {i}'s dev endpoints (/collective_rpc, /pause, /sleep, \
+                 weight transfer; VLLM_SERVER_DEV_MODE=1) are exposed on {}:{port}, a non-loopback \
+                 address: anyone who can reach it can replace the engine's weights",
+                cfg.host
+            );
+        }
+        Ok(Launched {
+            index: i,
+            port,
+            picked,
+            url: format!("http://{host}:{port}"),
+            child,
+            log,
+        })
+    }
+
+    /// Waits until every engine answers `GET /health` from its own process group. An engine whose
+    /// picked port was taken by another process before it bound it is started again on a new
+    /// port (up to 3 times).
+    fn wait_healthy(&mut self, cfg: &VllmLaunchConfig) -> Result<()> {
+        let timeout = cfg.health_timeout;
         let deadline = Instant::now() + timeout;
         for e in &mut self.engines {
+            let mut restarts = 0;
             loop {
                 if let Some(status) = e.child.try_wait()? {
+                    if e.picked && restarts < 3 && port_owned_by_group(e.port, e.child.id()) == Some(false) {
+                        eprintln!(
+                            "vime: engine {} exited ({status}): port {} was taken by another process before \
+                             it bound it; starting it again on another port",
+                            e.index, e.port
+                        );
+                        restarts += 1;
+                        *e = Self::spawn(cfg, e.index, pick_free_port()?, true)?;
+                        continue;
+                    }
                     bail!(
                         "vLLM engine {} exited ({status}) before becoming healthy; log {}:\n{}",
                         e.url,
@@ -1382,7 +1461,10 @@ impl VllmLauncher {
                         tail(&e.log, 40)
                     );
                 }
-                if http_get_status(&e.url, "/health", Duration::from_secs(2)) == Some(200) {
+                // Someone else's server on the port is not this engine: wait for the engine.
+                if http_get_status(&e.url, "/health", Duration::from_secs(2)) == Some(200)
+                    && port_owned_by_group(e.port, e.child.id()) != Some(false)
+                {
                     break;
                 }
                 if Instant::now() >= deadline {
@@ -1671,6 +1753,19 @@ impl vime_sync::EngineControl for VllmClient {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn a_port_is_owned_by_the_process_group_that_listens_on_it() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        // SAFETY: plain syscall.
+        let mine = unsafe { libc::getpgrp() } as u32;
+        assert_eq!(port_owned_by_group(port, mine), Some(true));
+        assert_eq!(port_owned_by_group(port, mine.wrapping_add(1_000_000)), Some(false));
+        drop(l);
+        // Nobody listens: /proc cannot say whose it is.
+        assert_eq!(port_owned_by_group(port, mine), None);
+    }
 
     #[derive(Parser)]
     struct Cli {
