@@ -251,12 +251,21 @@ pub(crate) fn run(
     p: &Ptrs,
 ) -> Result<()> {
     let stream = dev.cuda_stream();
-    let index: CudaSlice<i32> = stream.clone_htod(&plan.index).w()?;
-    let base = {
-        let (ptr, _sync) = index.device_ptr(&stream);
-        ptr
+    // The dense layout's graph has no sequence-length or offset tensors (sdpa.cpp binds them only
+    // on the ragged one), so its calls skip the upload and pass null pointers.
+    let index: Option<CudaSlice<i32>> = if plan.dense {
+        None
+    } else {
+        Some(stream.clone_htod(&plan.index).w()?)
     };
-    let at = |i: usize| base + (i * plan.seg * 4) as u64;
+    let base = match &index {
+        Some(index) => {
+            let (ptr, _sync) = index.device_ptr(&stream);
+            ptr
+        }
+        None => 0,
+    };
+    let at = |i: usize| if base == 0 { 0 } else { base + (i * plan.seg * 4) as u64 };
     let mut a = SdpaArgs {
         backward: backward as i32,
         deterministic: deterministic as i32,
