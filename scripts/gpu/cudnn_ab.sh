@@ -2,7 +2,8 @@
 # cuDNN 9.19 (torch's wheel on the GPU machine) against 9.28 (scripts/gpu/cudnn_kit.sh) on the
 # same vime-train binary: a quick 0.6B step with each, then kernel timelines (timeline.sh, API=0)
 # of Qwen3-0.6B and Qwen3-4B (4B cut to 24 layers on an 80 GB card). Needs the kit's three parts
-# staged (`cudnn_kit.sh part NN` in earlier calls on the same warm machine) and gpu-carry/cupti.
+# staged (`cudnn_kit.sh part NN` in earlier calls on the same warm machine), gpu-carry/cupti,
+# gpu-carry/vime-train.xz and gpu-carry/COMMIT.
 # Ends with `CUDNN AB VERDICT: 9.28 PAYS|NO GAIN` from the 4B step's traced wall time (pays: at
 # least 1 % less). Run on the GPU machine from the repo root: scripts/gpu/cudnn_ab.sh [OUT_DIR]
 set -uo pipefail
