@@ -12,6 +12,9 @@
 #                 accumulation, as RL steps are), no recompute; vime. Goal >= 21,000 tokens/s.
 #   0.6b          Qwen3-0.6B, 8192 tokens per step, no recompute; vime and Megatron-Core.
 #                 Goal: vime >= 90,000 tokens/s.
+#                 Both rows also run Megatron-Core with Transformer Engine (bench_train_torch.py
+#                 --system megatron-te) when TE is installed in TE_SITE (default /tmp/te-site;
+#                 scripts/gpu/te_kit.sh), and print vime/megatron-te beside the goal's ratio.
 #   4b-ragged     Qwen3-4B, RL-shaped: 64 samples per step, prompts of 64-511 tokens, responses
 #                 log-normal (median 1024, log-sd 1: a long tail, capped at 4096 a sample), packed
 #                 by the trainer's dynamic batching at --max-tokens-per-gpu 9216 (slime's 4B
@@ -60,9 +63,15 @@ case $ROW in
   4b|0.6b)
     model=qwen3-$ROW
     goal=$([ "$ROW" = 4b ] && echo 19500 || echo 90000)
-    MODELS=$model RECOMPUTES=none SYSTEMS="vime megatron" train
+    systems="vime megatron"
+    [ -d "${TE_SITE:-/tmp/te-site}" ] && systems="$systems megatron-te"
+    MODELS=$model RECOMPUTES=none SYSTEMS="$systems" train
     v=$(field "vime-$model-4096-none" tokens_per_s); m=$(field "megatron-$model-4096-none" tokens_per_s)
     r=$(ratio "$v" "$m"); errors
+    if [[ $systems == *megatron-te* ]]; then
+      t=$(field "megatron-te-$model-4096-none" tokens_per_s)
+      echo "BENCH_ROW $ROW megatron-core + transformer-engine: $(printf %.0f "$t") tokens/s, vime/megatron-te = $(ratio "$v" "$t")x (0 = failed, see the ERROR lines)" | tee -a "$LOG"
+    fi
     ok=$(ge "$v" "$goal")
     [ "$ROW" = 4b ] && ok=$(( ok * $(ge "$r" 1.3) ))
     verdict "$ROW" "$model s=4096 8192 tokens/step: vime $(printf %.0f "$v") tokens/s, megatron-core $(printf %.0f "$m"), vime/megatron = ${r}x (goal vime >= $goal$([ "$ROW" = 4b ] && echo ' and >= 1.3x'))" \

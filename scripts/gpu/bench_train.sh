@@ -5,7 +5,7 @@
 # compute, fp32 master weights + AdamW, clipping at 1.0) on the SAME tokens per optimizer step,
 # each in its own process under a timeout; a failure prints its error line and the loop goes on.
 # vime is `vime-train bench-step` (trainer/src/bench.rs); the others are
-# scripts/gpu/bench_train_torch.py (--system megatron|hf|hf-compile), which prints the same
+# scripts/gpu/bench_train_torch.py (--system megatron|megatron-te|hf|hf-compile), which prints the same
 # RESULT line. On the GPU machine, from the repo root:
 #
 #   scripts/gpu/bench_train.sh [OUT_DIR]
@@ -17,8 +17,10 @@
 # bench_train_torch.py for fetching it). Settings (environment):
 #   MODELS="qwen3-4b qwen3-0.6b"  SEQS="4096"  RECOMPUTES="full none"
 #   SYSTEMS="vime megatron hf hf-compile"  STEPS=20  WARMUP=3  TIMEOUT=480 (s per contender)
+#     megatron-te (Megatron-Core with Transformer Engine) is not in the default: it needs TE in
+#     TE_SITE (default /tmp/te-site), installed by scripts/gpu/te_kit.sh, and megatron-core.
 #   TOKENS_PER_STEP=8192 (all models), or per model TOKENS_PER_STEP_qwen3_4b=..., _qwen3_0_6b=...
-#   MB_VIME MB_MEGATRON MB_HF MB_HF_COMPILE: sequences per micro-batch (default 2, and 1 for
+#   MB_VIME MB_MEGATRON MB_MEGATRON_TE MB_HF MB_HF_COMPILE: sequences per micro-batch (default 2, and 1 for
 #     hf-compile, as in the anchors); each system runs TOKENS_PER_STEP / (MB * seq)
 #     micro-batches per step (must divide exactly).
 #   VIME_FLAGS="": extra bench-step flags for vime, e.g. "--attention-backend flash" (vime's own
@@ -45,6 +47,8 @@ TOKENS_PER_STEP=${TOKENS_PER_STEP:-8192}
 MB_VIME=${MB_VIME:-2}
 VIME_FLAGS=${VIME_FLAGS:-}
 MB_MEGATRON=${MB_MEGATRON:-2}
+MB_MEGATRON_TE=${MB_MEGATRON_TE:-2}
+TE_SITE=${TE_SITE:-/tmp/te-site}
 MB_HF=${MB_HF:-2}
 MB_HF_COMPILE=${MB_HF_COMPILE:-1}
 RESULTS_DIR=${RESULTS_DIR:-/tmp/bench_train_results}
@@ -68,7 +72,7 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
     BIN=/tmp/vime-train
     [ -x "$BIN" ] || { xz -dc gpu-carry/vime-train.xz > "$BIN" && chmod +x "$BIN"; }
   fi
-  if [[ " $SYSTEMS " == *" megatron "* ]] && ! $PY -c 'import megatron.core' >/dev/null 2>&1; then
+  if [[ " $SYSTEMS " == *" megatron"* ]] && ! $PY -c 'import megatron.core' >/dev/null 2>&1; then
     if compgen -G ".whl/megatron_core-*.whl" >/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl 2>&1 | tee -a "$LOG"
@@ -86,9 +90,10 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
           case $sys in
             vime) mb=$MB_VIME ;;
             megatron) mb=$MB_MEGATRON ;;
+            megatron-te) mb=$MB_MEGATRON_TE ;;
             hf) mb=$MB_HF ;;
             hf-compile) mb=$MB_HF_COMPILE ;;
-            *) echo "ERROR $sys: unknown system (vime, megatron, hf, hf-compile)" | tee -a "$LOG"; continue ;;
+            *) echo "ERROR $sys: unknown system (vime, megatron, megatron-te, hf, hf-compile)" | tee -a "$LOG"; continue ;;
           esac
           key="$sys-$model-$seq-$rec"
           if (( tokens % (mb * seq) != 0 )); then
@@ -101,7 +106,11 @@ if [ "${SUMMARY_ONLY:-0}" != 1 ]; then
             cmd=("$BIN" bench-step --model "$model" --seq-len "$seq" --max-tokens-per-gpu $(( mb * seq ))
                  --micro-batches "$k" --recompute "$rec" --steps "$STEPS" --warmup "$WARMUP" --json "$json" $VIME_FLAGS)
           else
-            cmd=($PY scripts/gpu/bench_train_torch.py --system "$sys" --model "$model" --seq-len "$seq"
+            # Transformer Engine only where asked for: with it importable, Megatron-Core also
+            # swaps its optimizer and clipping kernels for TE's, which would change `megatron`.
+            pp=${PYTHONPATH:-}
+            [ "$sys" = megatron-te ] && pp=$TE_SITE${pp:+:$pp}
+            cmd=(env PYTHONPATH="$pp" $PY scripts/gpu/bench_train_torch.py --system "$sys" --model "$model" --seq-len "$seq"
                  --micro-batch "$mb" --grad-accum "$k" --recompute "$rec" --steps "$STEPS"
                  --warmup "$WARMUP" --json "$json")
           fi
@@ -146,13 +155,15 @@ SUMMARY="$OUT/bench_train_summary.txt"
     }
     END {
       for (key in keys) {
-        v = best[key, "vime"]; m = best[key, "megatron"]; h = best[key, "hf"]
+        v = best[key, "vime"]; m = best[key, "megatron"]; h = best[key, "hf"]; t = best[key, "megatron-te"]
         line = key ":"
         line = line sprintf(" vime %s, megatron %s, hf %s;", v ? sprintf("%.0f (%s)", v, how[key, "vime"]) : "n/a",
                             m ? sprintf("%.0f (%s)", m, how[key, "megatron"]) : "n/a",
                             h ? sprintf("%.0f (%s)", h, how[key, "hf"]) : "n/a")
         line = line sprintf(" vime/megatron = %s, vime/hf = %s", (v && m) ? sprintf("%.2fx", v / m) : "n/a",
                             (v && h) ? sprintf("%.2fx", v / h) : "n/a")
+        if (t) line = line sprintf("; megatron-te %.0f (%s), vime/megatron-te = %s", t, how[key, "megatron-te"],
+                                   v ? sprintf("%.2fx", v / t) : "n/a")
         print line
       }
       key = vm " seq " vs

@@ -3,7 +3,7 @@
 `vime-train bench-step` (trainer/src/bench.rs), timed the same way and printed in the same RESULT
 format, so that scripts/gpu/bench_train.sh can parse vime and these alike.
 
-    python3 scripts/gpu/bench_train_torch.py --system hf|hf-compile|megatron \\
+    python3 scripts/gpu/bench_train_torch.py --system hf|hf-compile|megatron|megatron-te \\
         --model qwen3-4b|qwen3-0.6b|tiny --seq-len 4096 --micro-batch M --grad-accum K \\
         --recompute none|full --steps 20 --warmup 3 [--device cuda|cpu] [--json OUT]
 
@@ -43,6 +43,18 @@ Contenders:
               Likewise --megatron-foreach on (default) replaces Megatron's no-Apex fallbacks for
               the gradient-norm and multi-tensor-scale helpers (per-tensor Python loops, a host
               sync per tensor in the norm) with torch._foreach equivalents of Apex's kernels.
+  megatron-te Megatron-Core 0.19.2 with Transformer Engine, as slime's Megatron-LM runs it
+              (--transformer-impl transformer_engine, its default): the layer spec of
+              get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True) (TE's fused RMSNorm +
+              QKV / FC1 linears, TE's DotProductAttention, TE row-parallel linears), TE's fused
+              RoPE (apply_rope_fusion, on by default in Megatron-LM), gradient accumulation fused
+              into TE's weight-gradient GEMMs (gradient_accumulation_fusion, on by default), TE's
+              FusedAdam and multi-tensor l2norm/scale (Megatron-Core picks them when TE imports),
+              the bias-SwiGLU and bias-dropout-add fusions; everything else as `megatron`.
+              Attention: TE chooses its backend; the GPU image has no flash-attn package (slime's
+              --attention-backend flash needs one), so it runs cuDNN's fused attention, the
+              kernels vime's attention runs too. The chosen backend is printed (NVTE_DEBUG).
+              Needs Transformer Engine importable: scripts/gpu/te_kit.sh installs it.
 
 Peak memory is torch.cuda.max_memory_reserved() over the timed steps: vime reports the sampled
 used device memory (total - free), which includes its pool's cached blocks, i.e. the counterpart
@@ -347,6 +359,7 @@ def megatron_config(args, m, cpu_init=False, bf16=True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fusions = args.megatron_fusions == "on"
+    te = args.system == "megatron-te"
     rec = {}
     if args.recompute == "full":
         rec = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -379,22 +392,28 @@ def megatron_config(args, m, cpu_init=False, bf16=True):
         bias_dropout_fusion=fusions,
         # Off by default in Megatron-LM too (--cross-entropy-loss-fusion).
         cross_entropy_loss_fusion=False,
-        # These need TE (rope fusion) or Apex (the others): off.
-        apply_rope_fusion=False,
+        # Without TE: these need TE (rope fusion) or Apex (the others), off. With TE:
+        # Megatron-LM's defaults (fused RoPE, wgrad accumulation in TE's GEMMs); the masked
+        # softmax and persistent layer norm are for the unfused attention / Apex, unused here.
+        apply_rope_fusion=te and fusions,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=te,
         persist_layer_norm=False,
         **rec,
     )
 
 
 def build_megatron_model(args, m, config):
-    """GPTModel from the local spec with SDPA core attention (unwrapped, not yet on a device)."""
+    """GPTModel from the local spec with SDPA core attention, or (megatron-te) from the
+    Transformer Engine spec (unwrapped, not yet on a device)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = make_sdpa_core_attention()
+    if args.system == "megatron-te":
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = make_sdpa_core_attention()
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -459,10 +478,54 @@ def patch_megatron_multi_tensor_helpers():
     return patched
 
 
+def install_apex_wgrad_standin(device):
+    """Megatron-LM as slime runs it (NVIDIA's container) has Apex's fused_weight_gradient_mlp_cuda:
+    with gradient_accumulation_fusion the output layer (a Megatron ColumnParallelLinear, not a TE
+    module) accumulates its weight gradient into the fp32 main grad in one GEMM (beta = 1, fp32
+    output). The GPU image has no Apex, and Megatron-Core refuses the fusion without it. This
+    stand-in module does the same GEMM with Transformer Engine's cuBLASLt wrapper (accumulate into
+    an fp32 output), the call TE's own linears make for their fused weight gradients. Checked
+    here against the unfused sum on small shapes before use."""
+    import types
+
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+    def wgrad_gemm_accum(total_input, grad_output, main_grad):
+        # main_grad[out, in] += grad_output[t, out]^T @ total_input[t, in]
+        general_gemm(total_input, grad_output, out_dtype=main_grad.dtype, layout="NT",
+                     out=main_grad, accumulate=True, grad=True)
+
+    g = torch.Generator(device="cpu").manual_seed(7)
+    x = torch.randn(96, 64, generator=g).to(device, torch.bfloat16)
+    dy = torch.randn(96, 80, generator=g).to(device, torch.bfloat16)
+    acc = torch.randn(80, 64, generator=g).to(device)
+    want = acc + dy.float().t() @ x.float()
+    wgrad_gemm_accum(x, dy, acc)
+    err = ((acc - want).abs().max() / want.abs().max()).item()
+    if not err < 1e-3:
+        sys.exit(f"bench_train_torch: the wgrad-accumulation stand-in is off by {err:.2e}")
+    mod = types.ModuleType("fused_weight_gradient_mlp_cuda")
+    mod.wgrad_gemm_accum_fp32 = wgrad_gemm_accum
+    sys.modules["fused_weight_gradient_mlp_cuda"] = mod
+    return err
+
+
 def run_megatron(args, device):
     if device.type != "cuda":
         sys.exit("bench_train_torch: --system megatron needs --device cuda (Megatron-Core's DDP, "
                  "distributed optimizer and schedules are CUDA-only)")
+    te_info = ""
+    if args.system == "megatron-te":
+        # TE's attention backend choice, printed at the first call.
+        os.environ.setdefault("NVTE_DEBUG", "1")
+        os.environ.setdefault("NVTE_DEBUG_LEVEL", "1")
+        import transformer_engine
+        import transformer_engine.pytorch as te_pt
+
+        err = install_apex_wgrad_standin(device)
+        te_info = (f"transformer-engine {transformer_engine.__version__} "
+                   f"(cuDNN {te_pt.get_cudnn_version()}; output-layer wgrad accumulation through "
+                   f"TE's GEMM, checked to {err:.1e}), ")
     import megatron.core
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -475,6 +538,7 @@ def run_megatron(args, device):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    # With TE, Megatron-Core uses TE's multi-tensor kernels and this patches nothing.
     patched = patch_megatron_multi_tensor_helpers() if args.megatron_foreach == "on" else []
     m = MODELS[args.model]
     # NVLink multicast stays off on the shared GPU hosts (KINDS.md); world size 1 needs none.
@@ -539,9 +603,10 @@ def run_megatron(args, device):
     forward_backward = get_forward_backward_func()
     sync(device)
     print(
-        f"bench_train_torch: megatron-core {megatron.core.__version__} {args.model} "
+        f"bench_train_torch: megatron-core {megatron.core.__version__} {te_info}{args.model} "
         f"({n_params / 1e9:.3f}B params), bf16 params + fp32 master (distributed optimizer: "
-        f"{adam_kind}), sdpa, recompute {args.recompute}, fusions {args.megatron_fusions}, "
+        f"{adam_kind}), {'TE spec' if te_info else 'local spec, sdpa'}, recompute "
+        f"{args.recompute}, fusions {args.megatron_fusions}, "
         f"foreach helpers {', '.join(patched) or 'none'}, "
         f"{args.grad_accum} x {args.micro_batch} x {args.seq_len} tokens per step, built in "
         f"{time.perf_counter() - t0:.1f}s",
@@ -594,7 +659,7 @@ def run_megatron(args, device):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--system", required=True, choices=["hf", "hf-compile", "megatron"])
+    p.add_argument("--system", required=True, choices=["hf", "hf-compile", "megatron", "megatron-te"])
     p.add_argument("--model", default="qwen3-4b", choices=sorted(MODELS))
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (batch row)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -615,13 +680,13 @@ def main(argv=None):
         p.error("need --seq-len, --micro-batch, --grad-accum, --steps >= 1 and --warmup >= 0")
     if args.device == "cpu" and args.model != "tiny":
         p.error("--device cpu is a smoke test: use --model tiny")
-    if args.system == "megatron" and args.device != "cuda":
+    if args.system.startswith("megatron") and args.device != "cuda":
         p.error("--system megatron runs on CUDA only (Megatron-Core's DDP, distributed optimizer "
                 "and schedules allocate on the GPU); --device cpu is for --system hf/hf-compile")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no GPU")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    if args.system == "megatron":
+    if args.system.startswith("megatron"):
         run_megatron(args, device)
     else:
         run_hf(args, device)
