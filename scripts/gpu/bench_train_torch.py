@@ -519,6 +519,14 @@ def run_megatron(args, device):
         # TE's attention backend choice, printed at the first call.
         os.environ.setdefault("NVTE_DEBUG", "1")
         os.environ.setdefault("NVTE_DEBUG_LEVEL", "1")
+        # TE dlopens libcudnn from CUDNN_HOME, else CUDA_HOME, else the loader's default, which
+        # on the GPU image is a system cuDNN 9.14 whose sub-libraries then resolve to torch's
+        # 9.19 ones: every cuDNN graph fails (SUBLIBRARY_LOADING_FAILED) and TE silently falls
+        # back to unfused attention. Point it at torch's own cuDNN, the one vime runs on too.
+        if not os.environ.get("CUDNN_HOME") and not os.environ.get("CUDNN_PATH"):
+            import nvidia.cudnn
+
+            os.environ["CUDNN_HOME"] = list(nvidia.cudnn.__path__)[0]
         import transformer_engine
         import transformer_engine.pytorch as te_pt
 

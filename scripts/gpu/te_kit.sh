@@ -100,10 +100,6 @@ install)
   cat "$STAGE"/part.* | xz -dc > "$work/$core"
   tar xf "$kit/base.tar" -C "$work"
   (cd "$work" && sha256sum --quiet -c "$kit/SHA256SUMS") || { echo "TE KIT: a file differs after unpacking"; exit 1; }
-  rm -rf "$SITE" && mkdir -p "$SITE"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-    "$work/$core" "$work"/transformer_engine-*.whl "$work"/pydantic*.whl "$work"/annotated_types*.whl \
-    "$work"/typing_inspection*.whl "$work"/typing_extensions*.whl
   built=$SITE/../te-built
   mkdir -p "$built"
   if [ -n "${TE_TORCH_WHEEL:-}" ]; then
@@ -128,10 +124,17 @@ install)
       { tail -40 "$work/build.log"; echo "TE KIT: building transformer_engine_torch failed ($work/build.log)"; exit 1; }
     echo "TE KIT: transformer_engine_torch built in $(( $(date +%s) - t0 )) s"
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" --upgrade "$built"/transformer_engine_torch-*.whl
+  # One pip call for all: the extension's wheel also installs into transformer_engine/wheel_lib,
+  # and a second `--target --upgrade` call would replace the whole transformer_engine folder.
+  rm -rf "$SITE" && mkdir -p "$SITE"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$work/$core" "$work"/transformer_engine-*.whl "$work"/pydantic*.whl "$work"/annotated_types*.whl \
+    "$work"/typing_inspection*.whl "$work"/typing_extensions*.whl "$built"/transformer_engine_torch-*.whl
   [ -n "${TE_SAVE:-}" ] && mkdir -p "$TE_SAVE" && cp "$built"/transformer_engine_torch-*.whl "$TE_SAVE/"
   # Smoke test: a TE Linear and DotProductAttention forward and backward in bf16 on the GPU.
-  PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 - <<'EOF'
+  # Torch's own cuDNN (see bench_train_torch.py: the image's system cuDNN breaks TE's graphs).
+  CUDNN_HOME=${CUDNN_HOME:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')} \
+  NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 - <<'EOF'
 import torch, transformer_engine as te_root, transformer_engine.pytorch as te
 torch.manual_seed(0)
 lin = te.Linear(256, 512, bias=False, params_dtype=torch.bfloat16).cuda()
