@@ -96,6 +96,8 @@ import torch.nn.functional as F
 MODELS = {
     "qwen3-0.6b": dict(hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128,
                        vocab=151936, tied=True),
+    "qwen3-1.7b": dict(hidden=2048, inter=6144, layers=28, heads=16, kv=8, head_dim=128,
+                       vocab=151936, tied=True),
     "qwen3-4b": dict(hidden=2560, inter=9728, layers=36, heads=32, kv=8, head_dim=128,
                      vocab=151936, tied=True),
     # CPU smoke test only.

@@ -18,8 +18,11 @@
 # $OUT), so that it can come back and be carried next time (TE_TORCH_WHEEL=path: install it and
 # skip the build).
 #
-# Checked here (2026-12-05): the extension builds against torch 2.11.0+cu130's nvidia/* headers
-# plus crt/ (~9 min on 2 cores, 33 files, a 1 MB wheel). The core wheel is re-zipped uncompressed (same members, CRCs, sizes, modes) before xz, as
+# Status (2026-12-05): the extension builds against torch 2.11.0+cu130's nvidia/* headers plus
+# crt/ (here: ~9 min on 2 cores; on the H100 machine: 129 s on 16 cores, a 5.4 MB cp312 wheel).
+# On the H100 machine `part` x 7 and `install` ran (with TE_TORCH_WHEEL= the built wheel: ~20 s)
+# and the smoke test passed; the device-env.sh line before the smoke test was added after that
+# and has not run there. The core wheel is re-zipped uncompressed (same members, CRCs, sizes, modes) before xz, as
 # ../shared/gpu/vllm-kit does; its fat binaries are compressed already, so xz gains little
 # (262 MB packed, 7 parts of 38 MiB beside a ~21 MB checkout).
 # Also packed (the image lacks them; TE's recipe module imports pydantic), in the versions the
@@ -132,7 +135,11 @@ install)
     "$work"/typing_inspection*.whl "$work"/typing_extensions*.whl "$built"/transformer_engine_torch-*.whl
   [ -n "${TE_SAVE:-}" ] && mkdir -p "$TE_SAVE" && cp "$built"/transformer_engine_torch-*.whl "$TE_SAVE/"
   # Smoke test: a TE Linear and DotProductAttention forward and backward in bf16 on the GPU.
-  # Torch's own cuDNN (see bench_train_torch.py: the image's system cuDNN breaks TE's graphs).
+  # Torch's own cuDNN (see bench_train_torch.py: the image's system cuDNN breaks TE's graphs),
+  # and its sub-libraries from the same folder (device-env.sh puts torch's nvidia/*/lib first on
+  # LD_LIBRARY_PATH, as every benchmark does): without it the smoke test's TE reported cuDNN
+  # 9.14 (the system's sub-libraries behind torch's 9.19 libcudnn) although attention ran.
+  if [ -f gpu-carry/device-env.sh ]; then source gpu-carry/device-env.sh 2>/dev/null || true; fi
   CUDNN_HOME=${CUDNN_HOME:-$(python3 -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])')} \
   NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} python3 - <<'EOF'
 import torch, transformer_engine as te_root, transformer_engine.pytorch as te
