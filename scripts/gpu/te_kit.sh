@@ -20,11 +20,12 @@
 #
 # Status (2026-12-05): the extension builds against torch 2.11.0+cu130's nvidia/* headers plus
 # crt/ (here: ~9 min on 2 cores; on the H100 machine: 129 s on 16 cores, a 5.4 MB cp312 wheel).
-# On the H100 machine `part` x 7 and `install` ran (with TE_TORCH_WHEEL= the built wheel: ~20 s)
-# and the smoke test passed; the device-env.sh line before the smoke test was added after that
-# and has not run there. The core wheel is re-zipped uncompressed (same members, CRCs, sizes, modes) before xz, as
+# On the H100 machine `part` x 7 and `install` ran (the second time with TE_TORCH_WHEEL= that
+# wheel), and the smoke test passed. The device-env.sh line before the smoke test was added after
+# that and has not run there.
+# The core wheel is re-zipped uncompressed (same members, CRCs, sizes, modes) before xz, as
 # ../shared/gpu/vllm-kit does; its fat binaries are compressed already, so xz gains little
-# (262 MB packed, 7 parts of 38 MiB beside a ~21 MB checkout).
+# (253 MB packed, 7 parts of 38 MiB beside a ~21 MB checkout).
 # Also packed (the image lacks them; TE's recipe module imports pydantic), in the versions the
 # vLLM kit runs there: pydantic 2.14.4, pydantic-core 2.50.5, annotated-types 0.8.0,
 # typing-inspection 0.4.5, typing-extensions 4.16.0.
