@@ -40,6 +40,8 @@ OUT=${2:-${OUT:-/tmp/bench_rows_out}}/$ROW
 mkdir -p "$OUT"
 export RESULTS_DIR=/tmp/bench_rows_results/$ROW
 export RESET=1 TIMEOUT=${TIMEOUT:-300} STEPS=${STEPS:-10} WARMUP=${WARMUP:-2} SEQS=4096
+# Where te_kit.sh installed Transformer Engine; bench_train.sh runs megatron-te from it.
+export TE_SITE=${TE_SITE:-/tmp/te-site}
 source gpu-carry/device-env.sh
 BIN=/tmp/vime-train
 [ -x "$BIN" ] || { xz -dc gpu-carry/vime-train.xz > "$BIN" && chmod +x "$BIN"; }
@@ -64,7 +66,7 @@ case $ROW in
     model=qwen3-$ROW
     goal=$([ "$ROW" = 4b ] && echo 19500 || echo 90000)
     systems="vime megatron"
-    [ -d "${TE_SITE:-/tmp/te-site}" ] && systems="$systems megatron-te"
+    [ -d "$TE_SITE" ] && systems="$systems megatron-te"
     MODELS=$model RECOMPUTES=none SYSTEMS="$systems" train
     v=$(field "vime-$model-4096-none" tokens_per_s); m=$(field "megatron-$model-4096-none" tokens_per_s)
     r=$(ratio "$v" "$m"); errors

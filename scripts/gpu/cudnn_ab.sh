@@ -9,10 +9,12 @@
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
+# Where the kit unpacks 9.28; the wrapper below puts it first on the loader's path.
+export DEST=/tmp/cudnn-9.28.1.4
 bash scripts/gpu/cudnn_kit.sh install || exit 1
 source gpu-carry/device-env.sh
 xz -dc gpu-carry/vime-train.xz > /tmp/vime-train && chmod +x /tmp/vime-train
-printf '#!/bin/bash\nexport LD_LIBRARY_PATH=/tmp/cudnn-9.28.1.4:$LD_LIBRARY_PATH\nexec /tmp/vime-train "$@"\n' > /tmp/vt28 && chmod +x /tmp/vt28
+printf '#!/bin/bash\nexport LD_LIBRARY_PATH=%s:$LD_LIBRARY_PATH\nexec /tmp/vime-train "$@"\n' "$DEST" > /tmp/vt28 && chmod +x /tmp/vt28
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 L4=""; [ "$mem" -lt 100000 ] && L4="--layers 24"

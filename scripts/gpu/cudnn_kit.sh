@@ -33,6 +33,7 @@ LIBS="libcudnn.so.9 libcudnn_graph.so.9 libcudnn_heuristic.so.9 libcudnn_engines
 declare -A PYPI_SHA256=(
   [9.28.1.4]=a54f205b1db1f2895d99f398754db1369816f0569dd459731f925635cf7b65ec
 )
+source "$(dirname "$0")/kit_parts.sh"
 cmd=${1:?usage: cudnn_kit.sh build | part NN | install}
 case "$cmd" in
 build)
@@ -58,18 +59,12 @@ build)
   echo "CUDNN KIT: cuDNN $VERSION in $PARTS parts under $KIT ($(du -h "$work/kit.tar.xz" | cut -f1))"
   ;;
 part)
-  n=${2:?usage: cudnn_kit.sh part NN}
-  mkdir -p "$STAGE"
-  cp "$KIT/part.$n" "$STAGE/"
-  echo "CUDNN KIT: part $n staged ($(ls "$STAGE" | tr '\n' ' '))"
+  kit_part_stage "$KIT" "$STAGE" "${2:?usage: cudnn_kit.sh part NN}" "CUDNN KIT"
   ;;
 install)
   # Parts may be staged in earlier calls or carried in this one.
   kit=$(cd "$KIT" && pwd)
-  mkdir -p "$STAGE"
-  for p in "$kit"/part.*; do [ -f "$p" ] && cp -n "$p" "$STAGE/"; done
-  (cd "$STAGE" && sha256sum --quiet -c "$kit/PARTS.sha256") ||
-    { echo "CUDNN KIT: a part is missing or differs (staged: $(ls "$STAGE" | tr '\n' ' '))"; exit 1; }
+  kit_parts_check "$kit" "$STAGE" "CUDNN KIT" || exit 1
   rm -rf "$DEST" && mkdir -p "$DEST"
   cat "$STAGE"/part.* | xz -dc | tar xf - -C "$DEST"
   (cd "$DEST" && sha256sum --quiet -c "$kit/LIBS.sha256") || { echo "CUDNN KIT: a library differs"; exit 1; }

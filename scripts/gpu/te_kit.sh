@@ -45,6 +45,7 @@ declare -A PYPI_SHA256=(
   [transformer_engine_torch-2.20.2.tar.gz]=4c40ced8a6261649e689076f198d4feaf02277b1ba18931a66eccdaceb33c43e
 )
 SMALL_WHEELS="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0"
+source "$(dirname "$0")/kit_parts.sh"
 cmd=${1:?usage: te_kit.sh build | part NN | install}
 case "$cmd" in
 build)
@@ -87,17 +88,11 @@ EOF
   echo "TE KIT: TE $TE_VERSION in $(ls "$KIT"/part.* | wc -l) parts under $KIT ($(du -h "$work/core.xz" | cut -f1) packed core, $(du -h "$KIT/base.tar" | cut -f1) base)"
   ;;
 part)
-  n=${2:?usage: te_kit.sh part NN}
-  mkdir -p "$STAGE"
-  cp "$KIT/part.$n" "$STAGE/"
-  echo "TE KIT: part $n staged ($(ls "$STAGE" | tr '\n' ' '))"
+  kit_part_stage "$KIT" "$STAGE" "${2:?usage: te_kit.sh part NN}" "TE KIT"
   ;;
 install)
   kit=$(cd "$KIT" && pwd)
-  mkdir -p "$STAGE"
-  for p in "$kit"/part.*; do [ -f "$p" ] && cp -n "$p" "$STAGE/"; done
-  (cd "$STAGE" && sha256sum --quiet -c "$kit/PARTS.sha256") ||
-    { echo "TE KIT: a part is missing or differs (staged: $(ls "$STAGE" | tr '\n' ' '))"; exit 1; }
+  kit_parts_check "$kit" "$STAGE" "TE KIT" || exit 1
   work=/tmp/te-kit-work
   rm -rf "$work" && mkdir -p "$work"
   core=transformer_engine_cu13-$TE_VERSION-py3-none-manylinux_2_28_x86_64.whl
