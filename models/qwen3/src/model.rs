@@ -571,6 +571,19 @@ impl Qwen3 {
         }
     }
 
+    /// Casts the gradients that came out in a half dtype (the norms' weights: their kernels round
+    /// to the model's dtype, as Megatron's do) to the dtype of the sums: the same values the
+    /// caller's accumulator makes of them, in the order they were queued.
+    fn widen_to_sums(&self, params: &mut BTreeMap<String, Tensor>) -> Result<()> {
+        let to = self.grad_sum_dtype();
+        for (name, g) in params.iter_mut() {
+            if matches!(g.dtype(), DType::BF16 | DType::F16) {
+                *g = g.to_dtype(to).with_context(|| format!("the gradient sum of {name}"))?;
+            }
+        }
+        Ok(())
+    }
+
     fn check_batch(&self, batch: &PackedBatch) -> Result<()> {
         let v = self.cfg.vocab_size as u32;
         if let Some((i, &id)) = batch.input_ids.iter().enumerate().find(|(_, &id)| id >= v) {
@@ -803,7 +816,7 @@ impl Qwen3 {
             Head::Lm(Box::new(loss_fn)),
             &SingleRank::default(),
             None,
-            BTreeMap::new(),
+            None,
         )
     }
 
@@ -816,7 +829,7 @@ impl Qwen3 {
         loss_fn: impl FnOnce(&TokenOutputs) -> Result<Tensor>,
         tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp, None, BTreeMap::new())
+        self.forward_backward_impl(batch, recompute, Head::Lm(Box::new(loss_fn)), tp, None, None)
     }
 
     /// [`Self::forward_backward_tp`] under context parallelism: `shard` is this CP rank's share of
@@ -838,7 +851,7 @@ impl Qwen3 {
             Head::Lm(Box::new(loss_fn)),
             tp,
             Some((shard, cp)),
-            BTreeMap::new(),
+            None,
         )
     }
 
@@ -859,7 +872,7 @@ impl Qwen3 {
             Head::Hidden(Box::new(head)),
             tp,
             Some((shard, cp)),
-            BTreeMap::new(),
+            None,
         )
     }
 
@@ -913,10 +926,10 @@ impl Qwen3 {
         sums: BTreeMap<String, Tensor>,
     ) -> Result<(f64, Gradients)> {
         match (shard, cp) {
-            (None, _) => self.forward_backward_impl(batch, recompute, head, tp, None, sums),
+            (None, _) => self.forward_backward_impl(batch, recompute, head, tp, None, Some(sums)),
             (Some(sh), Some(cp)) => {
                 self.check_cp(sh, cp)?;
-                self.forward_backward_impl(&sh.batch, recompute, head, tp, Some((sh, cp)), sums)
+                self.forward_backward_impl(&sh.batch, recompute, head, tp, Some((sh, cp)), Some(sums))
             }
             (Some(_), None) => bail!("a context-parallel shard needs its CP group"),
         }
@@ -950,7 +963,7 @@ impl Qwen3 {
             Head::Hidden(Box::new(head)),
             &SingleRank::default(),
             None,
-            BTreeMap::new(),
+            None,
         )
     }
 
@@ -964,14 +977,7 @@ impl Qwen3 {
         head: impl FnOnce(&Tensor) -> Result<Tensor>,
         tp: &dyn Collectives,
     ) -> Result<(f64, Gradients)> {
-        self.forward_backward_impl(
-            batch,
-            recompute,
-            Head::Hidden(Box::new(head)),
-            tp,
-            None,
-            BTreeMap::new(),
-        )
+        self.forward_backward_impl(batch, recompute, Head::Hidden(Box::new(head)), tp, None, None)
     }
 
     fn forward_backward_impl(
@@ -981,8 +987,12 @@ impl Qwen3 {
         head: Head<'_>,
         tp: &dyn Collectives,
         cp: Option<(&CpShard, &dyn Collectives)>,
-        sums: BTreeMap<String, Tensor>,
+        sums: Option<BTreeMap<String, Tensor>>,
     ) -> Result<(f64, Gradients)> {
+        // `Some`: gradient accumulation (`forward_backward_into`), whose results are the running
+        // sums, all in the sums' dtype; `None`: this batch's gradients in their own dtypes.
+        let as_sums = sums.is_some();
+        let sums = sums.unwrap_or_default();
         self.check_batch(batch)?;
         self.check_tp(tp)?;
         self.check_sp(batch)?;
@@ -997,6 +1007,9 @@ impl Qwen3 {
             let mut params = sums;
             for (name, g) in std::mem::take(&mut grads.params) {
                 add_gradient(&mut params, name, g)?;
+            }
+            if as_sums {
+                self.widen_to_sums(&mut params)?;
             }
             grads.params = params;
             return Ok((loss, grads));
@@ -1130,6 +1143,11 @@ impl Qwen3 {
             )?,
         };
         add_gradient(&mut params, embed_name, ge)?;
+        if as_sums {
+            // Queued behind the backward, before the wait below: cast after it (as the caller's
+            // accumulator would), each launch found the GPU idle (~1 ms a micro-batch at 0.6B).
+            self.widen_to_sums(&mut params)?;
+        }
         // The loss value last: reading it waits for the device, and read before the backward it
         // left the GPU idle while the host queued the head's backward (~0.4-0.8 ms a micro-batch
         // at 4B in the timeline, allocations included).

@@ -204,3 +204,53 @@ fn gradients_accumulated_in_the_backward_equal_the_sum_of_the_micro_batches() {
         }
     }
 }
+
+/// A bf16 model's running sums are f32 from the first micro-batch on: the norms' weight
+/// gradients, which their kernels round to bf16 (as Megatron's do), come back from
+/// `forward_backward_into` already widened to f32 (queued behind the backward instead of cast by
+/// the caller after the loss is read), with the values the caller's cast gave: per parameter,
+/// bit for bit the f32 sum of `forward_backward`'s gradients, each widened to f32 first.
+#[test]
+fn a_bf16_models_sums_are_f32_and_equal_the_widened_gradients() {
+    let mbs = [
+        PackedBatch::from_sequences(&[vec![3u32, 7, 9, 11, 4, 5, 6], vec![8, 2, 30]]).unwrap(),
+        PackedBatch::from_sequences(&[vec![12u32, 13, 14, 15, 16]]).unwrap(),
+    ];
+    let loss = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> { Ok((o.logprobs.sum_all()? * -0.5)?) };
+    let single = vime_dist::SingleRank::default();
+    let m = model(&tiny3(true, true), DType::BF16, 7);
+    let (mut want, mut sums): (BTreeMap<String, Tensor>, _) = (BTreeMap::new(), BTreeMap::new());
+    let mut half = 0;
+    for (k, b) in mbs.iter().enumerate() {
+        let (_, g) = m.forward_backward(b, Recompute::None, loss).unwrap();
+        for (n, t) in g.params {
+            half += (t.dtype() == DType::BF16) as usize;
+            let t = t.to_dtype(DType::F32).unwrap();
+            let t = match want.remove(&n) {
+                Some(s) => (s + t).unwrap(),
+                None => t,
+            };
+            want.insert(n, t);
+        }
+        sums = m
+            .forward_backward_into(b, Recompute::None, loss, &single, None, None, sums)
+            .unwrap()
+            .1
+            .params;
+        assert_eq!(sums.len(), want.len(), "micro-batch {k}");
+        for (n, w) in &want {
+            assert_eq!(sums[n].dtype(), DType::F32, "micro-batch {k}: the sum of {n}");
+            let (a, b) = (
+                sums[n].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(
+                same,
+                "micro-batch {k}: the sum of {n} differs from the widened gradients"
+            );
+        }
+    }
+    // The case this is about: the plain backward does hand out bf16 gradients (the norms').
+    assert!(half > 0, "no bf16 gradient came out of forward_backward");
+}
