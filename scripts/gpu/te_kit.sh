@@ -21,8 +21,9 @@
 # Status (2026-12-05): the extension builds against torch 2.11.0+cu130's nvidia/* headers plus
 # crt/ (here: ~9 min on 2 cores; on the H100 machine: 129 s on 16 cores, a 5.4 MB cp312 wheel).
 # On H100 machines `part` x 7 and `install` ran twice: first with the build, which then hit the
-# two-pip-calls bug fixed since; then, fixed, with TE_TORCH_WHEEL= that wheel: smoke test passed. The device-env.sh line before the smoke test was added after
-# that and has not run there.
+# two-pip-calls bug fixed since; then, fixed, with TE_TORCH_WHEEL= that wheel: smoke test passed.
+# On an H200 (981a9bb session): `part` x 7 (kit_parts.sh) and `install` with TE_TORCH_WHEEL= in
+# 26 s, the smoke test (device-env.sh sourced first) OK on cuDNN 9.19.
 # The core wheel is re-zipped uncompressed (same members, CRCs, sizes, modes) before xz, as
 # ../shared/gpu/vllm-kit does; its fat binaries are compressed already, so xz gains little
 # (253 MB packed, 7 parts of 38 MiB beside a ~21 MB checkout).

@@ -1145,7 +1145,9 @@ impl Qwen3 {
         add_gradient(&mut params, embed_name, ge)?;
         if as_sums {
             // Queued behind the backward, before the wait below: cast after it (as the caller's
-            // accumulator would), each launch found the GPU idle (~1 ms a micro-batch at 0.6B).
+            // accumulator did), each launch found the GPU idle (113 casts at 0.6B in the 069db58
+            // timeline; the step time did not change measurably, see
+            // benches/results/2026-12-05-rows-981a9bb-h200.md).
             self.widen_to_sums(&mut params)?;
         }
         // The loss value last: reading it waits for the device, and read before the backward it
