@@ -280,7 +280,11 @@ extern "C" __global__ void vime_rmsnorm_fwd_v8(const bf16* __restrict__ x, const
     }
 }
 
-extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const bf16* __restrict__ w,
+// The backward prefetches: the next row's x, g and residual gradient are loaded (as raw 16-byte
+// vectors) before this row's two block reductions, so their memory latency overlaps the barriers
+// instead of following them. Each block still takes rows blockIdx.x, + gridDim.x, ... in order
+// and each element's expressions are unchanged, so dx and the dw partials keep their bits.
+extern "C" __global__ void __launch_bounds__(1024) vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                const bf16* __restrict__ g, const bf16* __restrict__ res,
                                                bf16* __restrict__ dx, float* __restrict__ dw_part, int rows,
                                                int d, float eps) {
@@ -299,23 +303,33 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
 #pragma unroll
             for (int k = 0; k < 8; ++k) wv[i][k] = 0.f;
     }
+    // The loaded (not yet unpacked) vectors of the row about to be processed.
+    uint4 px[RMSV_MAXV], pg[RMSV_MAXV], pr[RMSV_MAXV];
+    const auto fetch = [&](int row) {
+        const size_t off = (size_t)row * d;
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < nv) {
+                px[i] = reinterpret_cast<const uint4*>(x + off)[c];
+                pg[i] = reinterpret_cast<const uint4*>(g + off)[c];
+                if (res) pr[i] = reinterpret_cast<const uint4*>(res + off)[c];
+            }
+        }
+    };
+    if (blockIdx.x < rows) fetch(blockIdx.x);
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         const size_t off = (size_t)row * d;
-        const uint4* xr = reinterpret_cast<const uint4*>(x + off);
-        const uint4* gr = reinterpret_cast<const uint4*>(g + off);
-        const uint4* rr = reinterpret_cast<const uint4*>(res + off);
         float xv[RMSV_MAXV][8], gv[RMSV_MAXV][8];
-        // The residual's gradient is loaded with x and g, before the two block reductions, so its
-        // memory latency overlaps theirs instead of following them (the same operations).
         uint4 rv[RMSV_MAXV];
         float ss = 0.f;
 #pragma unroll
         for (int i = 0; i < RMSV_MAXV; ++i) {
             const int c = threadIdx.x + i * blockDim.x;
             if (c < nv) {
-                unpack8(xr[c], xv[i]);
-                unpack8(gr[c], gv[i]);
-                if (res) rv[i] = rr[c];
+                unpack8(px[i], xv[i]);
+                unpack8(pg[i], gv[i]);
+                if (res) rv[i] = pr[i];
             } else {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) xv[i][k] = gv[i][k] = 0.f;
@@ -323,6 +337,7 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
 #pragma unroll
             for (int k = 0; k < 8; ++k) ss += xv[i][k] * xv[i][k];
         }
+        if (row + (int)gridDim.x < rows) fetch(row + gridDim.x);
         ss = block_sum(ss, scratch);
         const float rstd = 1.f / sqrtf(ss / (float)d + eps);
         float dot = 0.f;
@@ -592,6 +607,8 @@ __device__ __forceinline__ void softmax_stats_add(float& m, float& s, float& a, 
     a += e * zz;
 }
 
+#define LMS_BATCH 4
+
 // stats: [T, 4] f32 = (M, s, a, target logit), initialised by the caller to (-inf, 0, 0, 0).
 // One pass over the row (each logit read once, 16 bytes a load where the row is 16-byte aligned):
 // every thread keeps its own running (m, s, a), and the block merges them in a fixed order.
@@ -605,13 +622,31 @@ extern "C" __global__ void vime_lmhead_stats(const float* __restrict__ logits, i
     float m = -INFINITY, s = 0.f, a = 0.f;
     int tail = 0;
     if ((vc & 3) == 0 && ((uintptr_t)z & 15) == 0) {
+        // The thread's vectors j, j + B, j + 2B, ... in that order (B = blockDim.x), LMS_BATCH at a
+        // time, the next batch loaded before this one is folded in: the running statistics make
+        // each thread a serial chain of ~17 instructions an element, and a load issued only when
+        // the chain needed it left the kernel at ~2.5 TB/s (the 0.6B and 4B timelines).
+        const int n4 = vc >> 2, B = blockDim.x;
         const float4* z4 = reinterpret_cast<const float4*>(z);
-        for (int j = threadIdx.x; j < (vc >> 2); j += blockDim.x) {
-            const float4 q = z4[j];
-            softmax_stats_add(m, s, a, q.x);
-            softmax_stats_add(m, s, a, q.y);
-            softmax_stats_add(m, s, a, q.z);
-            softmax_stats_add(m, s, a, q.w);
+        float4 cur[LMS_BATCH];
+#pragma unroll
+        for (int k = 0; k < LMS_BATCH; ++k)
+            if (threadIdx.x + k * B < n4) cur[k] = z4[threadIdx.x + k * B];
+        for (int j = threadIdx.x; j < n4; j += LMS_BATCH * B) {
+            float4 nxt[LMS_BATCH];
+#pragma unroll
+            for (int k = 0; k < LMS_BATCH; ++k)
+                if (j + (LMS_BATCH + k) * B < n4) nxt[k] = z4[j + (LMS_BATCH + k) * B];
+#pragma unroll
+            for (int k = 0; k < LMS_BATCH; ++k)
+                if (j + k * B < n4) {
+                    softmax_stats_add(m, s, a, cur[k].x);
+                    softmax_stats_add(m, s, a, cur[k].y);
+                    softmax_stats_add(m, s, a, cur[k].z);
+                    softmax_stats_add(m, s, a, cur[k].w);
+                }
+#pragma unroll
+            for (int k = 0; k < LMS_BATCH; ++k) cur[k] = nxt[k];
         }
         tail = vc;
     }
@@ -1187,52 +1222,136 @@ extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const b
 // all hq + hk heads (the per-row kernel computes them for every head: 40 times over at Qwen3-4B,
 // which made it slower than the separate norm and rope kernels on a training batch). The same
 // operations per element, so the same bits as vime_qk_norm_rope and as the four separate kernels.
+//
+// QK_GROUP head rows at a time: their loads are issued together, then their sums reduced, then
+// their outputs written. One row at a time left a warp a single 256-byte row in flight, about 2 TB/s
+// on the H200 at 5 blocks an SM (the 0.6B and 4B timelines); the same expressions per element in the
+// same order, so the bits do not change.
+#define QK_GROUP 4
+
+// `n` rows (n <= QK_GROUP) of one token's heads, 128 apart from x (the input row) and y (the
+// output row), normalised by w (`wv`: the lane's four weights) and rotated by the lane's angles.
+__device__ __forceinline__ void qk_norm_rope_rows(const bf16* __restrict__ x, bf16* __restrict__ y, int n,
+                                                  const float (&wv)[4], int lane, float eps, const float* sn,
+                                                  const float* cs) {
+    float xv[QK_GROUP][4], ss[QK_GROUP];
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g)
+        if (g < n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xv[g][i] = __bfloat162float(x[g * 128 + lane + 32 * i]);
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g) {
+        ss[g] = 0.f;
+        if (g < n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ss[g] += xv[g][i] * xv[g][i];
+    }
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g)
+        if (g < n) ss[g] = warp_sum(ss[g]);
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g) {
+        if (g >= n) break;
+        const float rstd = 1.f / sqrtf(ss[g] / 128.f + eps);
+        float nv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) nv[i] = __bfloat162float(__float2bfloat16(xv[g][i] * rstd * wv[i]));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int j = lane + 32 * i;
+            float y1, y2;
+            rope_rot(nv[i], nv[i + 2], cs[i], sn[i], &y1, &y2);
+            y[g * 128 + j] = __float2bfloat16(y1);
+            y[g * 128 + j + 64] = __float2bfloat16(y2);
+        }
+    }
+}
+
 extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                                  const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
                                                  bf16* __restrict__ ko, int t, int hq, int hk, float eps,
                                                  float theta, long long q_stride, long long k_stride) {
-    const int d = 128;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float wqv[4], wkv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        wqv[i] = __bfloat162float(wq[lane + 32 * i]);
+        wkv[i] = __bfloat162float(wk[lane + 32 * i]);
+    }
     for (int tok = blockIdx.x * RMSW_WARPS + warp; tok < t; tok += gridDim.x * RMSW_WARPS) {
         float sn[2], cs[2];
         qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
-        for (int hh = 0; hh < hq + hk; ++hh) {
-            const bool is_q = hh < hq;
-            const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
-                                  : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
-            bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
-            qk_norm_rope_row(xr, yr, is_q ? wq : wk, lane, eps, sn, cs);
-        }
+        for (int h0 = 0; h0 < hq; h0 += QK_GROUP)
+            qk_norm_rope_rows(q + (size_t)tok * q_stride + (size_t)h0 * 128, qo + ((size_t)tok * hq + h0) * 128,
+                              min(QK_GROUP, hq - h0), wqv, lane, eps, sn, cs);
+        for (int h0 = 0; h0 < hk; h0 += QK_GROUP)
+            qk_norm_rope_rows(k + (size_t)tok * k_stride + (size_t)h0 * 128, ko + ((size_t)tok * hk + h0) * 128,
+                              min(QK_GROUP, hk - h0), wkv, lane, eps, sn, cs);
     }
 }
 
-// One head row of vime_qk_norm_rope_bwd_tok: gr the gradient of the rotated output, xr the norm's
-// input, dr the input's gradient; dwv accumulates the weight's gradient (the lane's 4 columns).
-__device__ __forceinline__ void qk_norm_rope_bwd_row(const bf16* __restrict__ gr, const bf16* __restrict__ xr,
-                                                     bf16* __restrict__ dr, const float (&wv)[4], float (&dwv)[4],
-                                                     int lane, float eps, const float* sn, const float* cs) {
-    float gv[4], xv[4];
+// `n` head rows (n <= G) of vime_qk_norm_rope_bwd_tok, 128 apart: g the gradients of the
+// rotated outputs, x the norm's inputs, d the inputs' gradients; dwv accumulates the weight's
+// gradient (the lane's 4 columns) over the rows in order. The loads of all n rows are issued
+// before the first reduction (see QK_GROUP); each row's expressions are those of one row at a time.
+template <int G>
+__device__ __forceinline__ void qk_norm_rope_bwd_rows(const bf16* __restrict__ g, const bf16* __restrict__ x,
+                                                      bf16* __restrict__ d, int n, const float (&wv)[4],
+                                                      float (&dwv)[4], int lane, float eps, const float* sn,
+                                                      const float* cs) {
+    float gr[G][4], xv[G][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float y1, y2;
-        rope_rot(__bfloat162float(gr[lane + 32 * i]), __bfloat162float(gr[lane + 32 * i + 64]), cs[i], sn[i], &y1,
-                 &y2);
-        gv[i] = __bfloat162float(__float2bfloat16(y1));
-        gv[i + 2] = __bfloat162float(__float2bfloat16(y2));
+    for (int r = 0; r < G; ++r)
+        if (r < n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                gr[r][i] = __bfloat162float(g[r * 128 + lane + 32 * i]);
+                xv[r][i] = __bfloat162float(x[r * 128 + lane + 32 * i]);
+            }
+    float gv[G][4], ss[G];
+#pragma unroll
+    for (int r = 0; r < G; ++r) {
+        ss[r] = 0.f;
+        if (r >= n) continue;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float y1, y2;
+            rope_rot(gr[r][i], gr[r][i + 2], cs[i], sn[i], &y1, &y2);
+            gv[r][i] = __bfloat162float(__float2bfloat16(y1));
+            gv[r][i + 2] = __bfloat162float(__float2bfloat16(y2));
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ss[r] += xv[r][i] * xv[r][i];
     }
-    const float rstd = head_row_rstd(xr, lane, eps, xv);
-    float dot = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float xhat = xv[i] * rstd;
-        dwv[i] += gv[i] * xhat;
-        dot += gv[i] * wv[i] * xhat;
+    for (int r = 0; r < G; ++r)
+        if (r < n) ss[r] = warp_sum(ss[r]);
+    float rstd[G], dot[G];
+#pragma unroll
+    for (int r = 0; r < G; ++r) {
+        dot[r] = 0.f;
+        if (r >= n) continue;
+        rstd[r] = 1.f / sqrtf(ss[r] / 128.f + eps);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float xhat = xv[r][i] * rstd[r];
+            dwv[i] += gv[r][i] * xhat;
+            dot[r] += gv[r][i] * wv[i] * xhat;
+        }
     }
-    dot = warp_sum(dot);
-    const float mean = dot / 128.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dr[lane + 32 * i] = __float2bfloat16(rstd * (gv[i] * wv[i] - xv[i] * rstd * mean));
+    for (int r = 0; r < G; ++r)
+        if (r < n) dot[r] = warp_sum(dot[r]);
+#pragma unroll
+    for (int r = 0; r < G; ++r) {
+        if (r >= n) break;
+        const float mean = dot[r] / 128.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            d[r * 128 + lane + 32 * i] = __float2bfloat16(rstd[r] * (gv[r][i] * wv[i] - xv[r][i] * rstd[r] * mean));
+    }
 }
 
 // The backward of vime_qk_norm_rope_tok in one pass (training, d = 128), a warp a token: for each
@@ -1242,7 +1361,10 @@ __device__ __forceinline__ void qk_norm_rope_bwd_row(const bf16* __restrict__ gr
 // gradients are per-block partials, q's and k's, which the caller sums in a fixed order; their
 // rows are grouped otherwise than in the separate kernel, so their last bits may differ from it.
 // gq/gk: [T, H, 128] contiguous; xq/xk: the norm's inputs, token rows q_stride / k_stride apart.
-extern "C" __global__ void vime_qk_norm_rope_bwd_tok(const bf16* __restrict__ gq, const bf16* __restrict__ gk,
+// QK_GROUP_BWD head rows at a time, as the forward (each row is twice the forward's bytes; two rows
+// keep the kernel at 64 registers, so the host's 132 x 4 blocks of 256 stay resident at once).
+#define QK_GROUP_BWD 2
+extern "C" __global__ void __launch_bounds__(256, 4) vime_qk_norm_rope_bwd_tok(const bf16* __restrict__ gq, const bf16* __restrict__ gk,
                                                      const bf16* __restrict__ xq, const bf16* __restrict__ xk,
                                                      const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                                      const unsigned int* __restrict__ pos, bf16* __restrict__ dq,
@@ -1264,15 +1386,15 @@ extern "C" __global__ void vime_qk_norm_rope_bwd_tok(const bf16* __restrict__ gq
         qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
         sn[0] *= -1.f;
         sn[1] *= -1.f;
-        for (int hh = 0; hh < hq; ++hh) {
-            const size_t o = ((size_t)tok * hq + hh) * 128;
-            qk_norm_rope_bwd_row(gq + o, xq + (size_t)tok * q_stride + (size_t)hh * 128, dq + o, wqv, dwq, lane, eps,
-                                 sn, cs);
+        for (int h0 = 0; h0 < hq; h0 += QK_GROUP_BWD) {
+            const size_t o = ((size_t)tok * hq + h0) * 128;
+            qk_norm_rope_bwd_rows<QK_GROUP_BWD>(gq + o, xq + (size_t)tok * q_stride + (size_t)h0 * 128, dq + o,
+                                                min(QK_GROUP_BWD, hq - h0), wqv, dwq, lane, eps, sn, cs);
         }
-        for (int hh = 0; hh < hk; ++hh) {
-            const size_t o = ((size_t)tok * hk + hh) * 128;
-            qk_norm_rope_bwd_row(gk + o, xk + (size_t)tok * k_stride + (size_t)hh * 128, dk + o, wkv, dwk, lane, eps,
-                                 sn, cs);
+        for (int h0 = 0; h0 < hk; h0 += QK_GROUP_BWD) {
+            const size_t o = ((size_t)tok * hk + h0) * 128;
+            qk_norm_rope_bwd_rows<QK_GROUP_BWD>(gk + o, xk + (size_t)tok * k_stride + (size_t)h0 * 128, dk + o,
+                                                min(QK_GROUP_BWD, hk - h0), wkv, dwk, lane, eps, sn, cs);
         }
     }
 #pragma unroll
