@@ -463,7 +463,7 @@ fn check_adamw_multi(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
         let m = f32t(rng, n + off, 1e-3)?.narrow(0, off, n)?;
         let v = f32t(rng, n + off, 1e-3)?.abs()?.narrow(0, off, n)?;
         let md = if model { Some(p.to_dtype(DType::BF16)?) } else { None };
-        let copy = |t: &Tensor| -> Result<Tensor> { Ok(t.copy()?) };
+        let copy = |t: &Tensor| t.copy();
         let b = T {
             p: copy(&p)?,
             m: copy(&m)?,
