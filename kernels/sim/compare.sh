@@ -13,11 +13,6 @@ trap 'rm -rf "$tmp"' EXIT
 git -C "$root" show "$base:kernels/cuda/ops.cu" >"$tmp/ops_base.cu"
 flags=(-std=c++17 -O1 -ffp-contract=off -I"$here/include" -I"$here" -Wno-unknown-pragmas)
 g++ "${flags[@]}" "$here/selftest.cpp" -o "$tmp/selftest"
-# Kernels that claim the bits of others in the same file (run where ops.cu has them).
-if grep -q "vime_adamw_multi" "$root/kernels/cuda/ops.cu"; then
-    g++ "${flags[@]}" "$here/check_adamw_multi.cpp" -o "$tmp/adamw_multi"
-    "$tmp/adamw_multi"
-fi
 g++ "${flags[@]}" -DOPS_CU="\"$tmp/ops_base.cu\"" "$here/check_ops.cpp" -o "$tmp/base"
 g++ "${flags[@]}" -DOPS_CU="\"$root/kernels/cuda/ops.cu\"" "$here/check_ops.cpp" -o "$tmp/head"
 "$tmp/selftest"
