@@ -939,6 +939,26 @@ extern "C" __global__ void __launch_bounds__(256, 4) vime_adamw_multi(const unsi
 }
 
 // ------------------------------------------------------------------------------------------------
+// bf16 gradients into their f32 running sums, every tensor of a backward in one launch (the norms'
+// weights: 113 tensors at Qwen3-0.6B, each a cast, and from the second micro-batch on an add too,
+// launched one by one). Segment i is 4 u64s: the bf16 gradient, the f32 sum to add to (0: none),
+// the f32 output (the sum itself, in place, or a fresh buffer), n. out = sum + f32(g) rounded as an
+// f32 add, or f32(g) exactly where there is no sum (no add of zero, which would turn -0 into +0):
+// the bits of candle's cast and add. A block (or several, strided) per segment.
+extern "C" __global__ void vime_widen_add_multi(const unsigned long long* __restrict__ segs, int nseg) {
+    for (int i = blockIdx.x; i < nseg; i += gridDim.x) {
+        const bf16* g = reinterpret_cast<const bf16*>(segs[4 * i]);
+        const float* sum = reinterpret_cast<const float*>(segs[4 * i + 1]);
+        float* out = reinterpret_cast<float*>(segs[4 * i + 2]);
+        const size_t n = segs[4 * i + 3];
+        for (size_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const float v = __bfloat162float(g[j]);
+            out[j] = sum ? __fadd_rn(sum[j], v) : v;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Sum of squares for the global gradient norm, deterministic: vime_sumsq_* writes one f64 partial
 // per block (grid-stride over the tensor, a fixed grid), vime_sum_partials adds a tensor's
 // partials in block order (one warp, then lane order). Squares and sums in f64, as the CPU path.

@@ -1979,6 +1979,55 @@ pub(crate) fn matmul_acc_inplace(acc: &Tensor, a: &Tensor, w: &Tensor) -> Result
 /// same bits come out, more slowly.
 const SUMSQ_BLOCKS: usize = 1056;
 
+/// [`crate::widen_into_sums`] on one CUDA device: each `(g, sum)` is a contiguous bf16 gradient
+/// and its f32 running sum (same shape, contiguous) or none. Returns the f32 results: each sum
+/// itself, updated in place, or a fresh tensor. One launch for all of them.
+pub(crate) fn widen_add_multi(items: &[(Tensor, Option<Tensor>)]) -> Result<Vec<Tensor>> {
+    let Some((first, _)) = items.first() else {
+        return Ok(Vec::new());
+    };
+    let dev = match first.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("widen_into_sums: tensors must be on a CUDA device"),
+    };
+    let mut segs: Vec<u64> = Vec::with_capacity(4 * items.len());
+    let mut outs = Vec::with_capacity(items.len());
+    for (g, sum) in items {
+        let gp = tensor_addr::<bf16>(g, "widen_into_sums gradient")?;
+        let (sp, out) = match sum {
+            Some(s) => {
+                if s.dims() != g.dims() || s.dtype() != DType::F32 {
+                    bail!(
+                        "widen_into_sums: the sum is {:?} {:?}, the gradient {:?} needs f32",
+                        s.dtype(),
+                        s.dims(),
+                        g.dims()
+                    );
+                }
+                (tensor_addr::<f32>(s, "widen_into_sums sum")?, s.clone())
+            }
+            None => {
+                // Safety: the kernel writes every element.
+                let buf = unsafe { dev.alloc::<f32>(g.elem_count().max(1)) }?;
+                (0, device_tensor(buf, &dev, g.shape().clone()))
+            }
+        };
+        let op = tensor_addr::<f32>(&out, "widen_into_sums output")?;
+        if g.elem_count() > 0 {
+            segs.extend([gp, sp, op, g.elem_count() as u64]);
+        }
+        outs.push(out);
+    }
+    if !segs.is_empty() {
+        let nseg = i32_of("widen_into_sums", "tensors", segs.len() / 4)?;
+        let table = dev.cuda_stream().clone_htod(&segs).w()?;
+        let tp = slice_addr(&table, &dev);
+        let f = ops_fn(&dev, "vime_widen_add_multi")?;
+        launch!(dev, f, cfg(nseg.clamp(1, 65_535) as u32, 256), [&tp, &nseg]);
+    }
+    Ok(outs)
+}
+
 /// `sum(x^2)` in f64 of each tensor (f32 or bf16, contiguous, all on one CUDA device), with a
 /// single device-to-host copy for all of them: candle's `sum_all` reduces a whole tensor in one
 /// block, which made the gradient norm of a 4B model take seconds.

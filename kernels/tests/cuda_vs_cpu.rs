@@ -199,6 +199,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
 
     check_adamw(&gpu, &mut rng, &mut failures)?;
     check_adamw_multi(&gpu, &mut rng, &mut failures)?;
+    check_widen_into_sums(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
@@ -206,7 +207,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
-    checks += 8;
+    checks += 9;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -1808,6 +1809,52 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
 }
 
 /// Prints one check's line (`op`, `shape`, what it measured, ok or FAIL) and records a failure.
+/// `widen_into_sums` on the GPU (one launch for every tensor, the sums updated in place) against
+/// its CPU path (`sum + g.to_dtype(F32)`, `g.to_dtype(F32)`), bit for bit: Qwen3-4B's norm widths,
+/// with and without a running sum, a -0.0 gradient element without a sum (must stay -0.0), and an
+/// empty tensor; the in-place sums must be the buffers returned.
+fn check_widen_into_sums(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let bf = DType::BF16;
+    let shapes: [&[usize]; 6] = [&[128], &[2560], &[128], &[2560], &[0], &[3, 5]];
+    let mut items_cpu = Vec::new();
+    let mut items_gpu = Vec::new();
+    for (i, sh) in shapes.iter().enumerate() {
+        let mut g = rng.randn(sh, 0.5, bf, &Device::Cpu)?;
+        if i == 2 {
+            // -0.0 at element 0 of a gradient with no sum
+            let mut v = g.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            v[0] = -0.0;
+            g = Tensor::from_vec(v, sh.to_vec(), &Device::Cpu)?.to_dtype(bf)?;
+        }
+        let sum = (i % 2 == 1)
+            .then(|| rng.randn(sh, 2.0, DType::F32, &Device::Cpu))
+            .transpose()?;
+        items_gpu.push((g.to_device(gpu)?, sum.as_ref().map(|s| s.to_device(gpu)).transpose()?));
+        items_cpu.push((g, sum));
+    }
+    let sum_ids: Vec<Option<candle_core::TensorId>> =
+        items_gpu.iter().map(|(_, s)| s.as_ref().map(|s| s.id())).collect();
+    let want = vime_kernels::widen_into_sums(items_cpu, DType::F32)?;
+    let got = vime_kernels::widen_into_sums(items_gpu, DType::F32)?;
+    let mut same = want.len() == got.len();
+    for (w, g) in want.iter().zip(&got) {
+        let (w, g) = (
+            w.flatten_all()?.to_vec1::<f32>()?,
+            g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?,
+        );
+        same &= w.len() == g.len() && w.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    let in_place = got.iter().zip(&sum_ids).all(|(g, p)| p.is_none_or(|p| g.id() == p));
+    report(
+        failures,
+        "widen_into_sums",
+        "6 tensors (128, 2560, [3, 5], empty), bf16 -> f32",
+        &format!("bit-equal to the CPU {same}, sums in place {in_place}"),
+        same && in_place,
+    );
+    Ok(())
+}
+
 fn report(failures: &mut Vec<String>, op: &str, shape: &str, detail: &str, ok: bool) {
     println!("{op:<26} {shape:<52} {detail}  {}", if ok { "ok" } else { "FAIL" });
     if !ok {
