@@ -607,8 +607,6 @@ __device__ __forceinline__ void softmax_stats_add(float& m, float& s, float& a, 
     a += e * zz;
 }
 
-#define LMS_BATCH 4
-
 // stats: [T, 4] f32 = (M, s, a, target logit), initialised by the caller to (-inf, 0, 0, 0).
 // One pass over the row (each logit read once, 16 bytes a load where the row is 16-byte aligned):
 // every thread keeps its own running (m, s, a), and the block merges them in a fixed order.
@@ -622,31 +620,13 @@ extern "C" __global__ void vime_lmhead_stats(const float* __restrict__ logits, i
     float m = -INFINITY, s = 0.f, a = 0.f;
     int tail = 0;
     if ((vc & 3) == 0 && ((uintptr_t)z & 15) == 0) {
-        // The thread's vectors j, j + B, j + 2B, ... in that order (B = blockDim.x), LMS_BATCH at a
-        // time, the next batch loaded before this one is folded in: the running statistics make
-        // each thread a serial chain of ~17 instructions an element, and a load issued only when
-        // the chain needed it left the kernel at ~2.5 TB/s (the 0.6B and 4B timelines).
-        const int n4 = vc >> 2, B = blockDim.x;
         const float4* z4 = reinterpret_cast<const float4*>(z);
-        float4 cur[LMS_BATCH];
-#pragma unroll
-        for (int k = 0; k < LMS_BATCH; ++k)
-            if (threadIdx.x + k * B < n4) cur[k] = z4[threadIdx.x + k * B];
-        for (int j = threadIdx.x; j < n4; j += LMS_BATCH * B) {
-            float4 nxt[LMS_BATCH];
-#pragma unroll
-            for (int k = 0; k < LMS_BATCH; ++k)
-                if (j + (LMS_BATCH + k) * B < n4) nxt[k] = z4[j + (LMS_BATCH + k) * B];
-#pragma unroll
-            for (int k = 0; k < LMS_BATCH; ++k)
-                if (j + k * B < n4) {
-                    softmax_stats_add(m, s, a, cur[k].x);
-                    softmax_stats_add(m, s, a, cur[k].y);
-                    softmax_stats_add(m, s, a, cur[k].z);
-                    softmax_stats_add(m, s, a, cur[k].w);
-                }
-#pragma unroll
-            for (int k = 0; k < LMS_BATCH; ++k) cur[k] = nxt[k];
+        for (int j = threadIdx.x; j < (vc >> 2); j += blockDim.x) {
+            const float4 q = z4[j];
+            softmax_stats_add(m, s, a, q.x);
+            softmax_stats_add(m, s, a, q.y);
+            softmax_stats_add(m, s, a, q.z);
+            softmax_stats_add(m, s, a, q.w);
         }
         tail = vc;
     }
@@ -1386,66 +1366,32 @@ extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, con
     }
 }
 
-// `n` head rows (n <= G) of vime_qk_norm_rope_bwd_tok, 128 apart: g the gradients of the
-// rotated outputs, x the norm's inputs, d the inputs' gradients; dwv accumulates the weight's
-// gradient (the lane's 4 columns) over the rows in order. The loads of all n rows are issued
-// before the first reduction (see QK_GROUP); each row's expressions are those of one row at a time.
-template <int G>
-__device__ __forceinline__ void qk_norm_rope_bwd_rows(const bf16* __restrict__ g, const bf16* __restrict__ x,
-                                                      bf16* __restrict__ d, int n, const float (&wv)[4],
-                                                      float (&dwv)[4], int lane, float eps, const float* sn,
-                                                      const float* cs) {
-    float gr[G][4], xv[G][4];
+// One head row of vime_qk_norm_rope_bwd_tok: gr the gradient of the rotated output, xr the norm's
+// input, dr the input's gradient; dwv accumulates the weight's gradient (the lane's 4 columns).
+__device__ __forceinline__ void qk_norm_rope_bwd_row(const bf16* __restrict__ gr, const bf16* __restrict__ xr,
+                                                     bf16* __restrict__ dr, const float (&wv)[4], float (&dwv)[4],
+                                                     int lane, float eps, const float* sn, const float* cs) {
+    float gv[4], xv[4];
 #pragma unroll
-    for (int r = 0; r < G; ++r)
-        if (r < n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                gr[r][i] = __bfloat162float(g[r * 128 + lane + 32 * i]);
-                xv[r][i] = __bfloat162float(x[r * 128 + lane + 32 * i]);
-            }
-    float gv[G][4], ss[G];
-#pragma unroll
-    for (int r = 0; r < G; ++r) {
-        ss[r] = 0.f;
-        if (r >= n) continue;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            float y1, y2;
-            rope_rot(gr[r][i], gr[r][i + 2], cs[i], sn[i], &y1, &y2);
-            gv[r][i] = __bfloat162float(__float2bfloat16(y1));
-            gv[r][i + 2] = __bfloat162float(__float2bfloat16(y2));
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ss[r] += xv[r][i] * xv[r][i];
+    for (int i = 0; i < 2; ++i) {
+        float y1, y2;
+        rope_rot(__bfloat162float(gr[lane + 32 * i]), __bfloat162float(gr[lane + 32 * i + 64]), cs[i], sn[i], &y1,
+                 &y2);
+        gv[i] = __bfloat162float(__float2bfloat16(y1));
+        gv[i + 2] = __bfloat162float(__float2bfloat16(y2));
     }
+    const float rstd = head_row_rstd(xr, lane, eps, xv);
+    float dot = 0.f;
 #pragma unroll
-    for (int r = 0; r < G; ++r)
-        if (r < n) ss[r] = warp_sum(ss[r]);
-    float rstd[G], dot[G];
-#pragma unroll
-    for (int r = 0; r < G; ++r) {
-        dot[r] = 0.f;
-        if (r >= n) continue;
-        rstd[r] = 1.f / sqrtf(ss[r] / 128.f + eps);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float xhat = xv[r][i] * rstd[r];
-            dwv[i] += gv[r][i] * xhat;
-            dot[r] += gv[r][i] * wv[i] * xhat;
-        }
+    for (int i = 0; i < 4; ++i) {
+        const float xhat = xv[i] * rstd;
+        dwv[i] += gv[i] * xhat;
+        dot += gv[i] * wv[i] * xhat;
     }
+    dot = warp_sum(dot);
+    const float mean = dot / 128.f;
 #pragma unroll
-    for (int r = 0; r < G; ++r)
-        if (r < n) dot[r] = warp_sum(dot[r]);
-#pragma unroll
-    for (int r = 0; r < G; ++r) {
-        if (r >= n) break;
-        const float mean = dot[r] / 128.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            d[r * 128 + lane + 32 * i] = __float2bfloat16(rstd[r] * (gv[r][i] * wv[i] - xv[r][i] * rstd[r] * mean));
-    }
+    for (int i = 0; i < 4; ++i) dr[lane + 32 * i] = __float2bfloat16(rstd * (gv[i] * wv[i] - xv[i] * rstd * mean));
 }
 
 // The backward of vime_qk_norm_rope_tok in one pass (training, d = 128), a warp a token: for each
@@ -1455,10 +1401,7 @@ __device__ __forceinline__ void qk_norm_rope_bwd_rows(const bf16* __restrict__ g
 // gradients are per-block partials, q's and k's, which the caller sums in a fixed order; their
 // rows are grouped otherwise than in the separate kernel, so their last bits may differ from it.
 // gq/gk: [T, H, 128] contiguous; xq/xk: the norm's inputs, token rows q_stride / k_stride apart.
-// QK_GROUP_BWD head rows at a time, as the forward (each row is twice the forward's bytes; two rows
-// keep the kernel at 64 registers, so the host's 132 x 4 blocks of 256 stay resident at once).
-#define QK_GROUP_BWD 2
-extern "C" __global__ void __launch_bounds__(256, 4) vime_qk_norm_rope_bwd_tok(const bf16* __restrict__ gq, const bf16* __restrict__ gk,
+extern "C" __global__ void vime_qk_norm_rope_bwd_tok(const bf16* __restrict__ gq, const bf16* __restrict__ gk,
                                                      const bf16* __restrict__ xq, const bf16* __restrict__ xk,
                                                      const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                                      const unsigned int* __restrict__ pos, bf16* __restrict__ dq,
@@ -1480,15 +1423,15 @@ extern "C" __global__ void __launch_bounds__(256, 4) vime_qk_norm_rope_bwd_tok(c
         qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
         sn[0] *= -1.f;
         sn[1] *= -1.f;
-        for (int h0 = 0; h0 < hq; h0 += QK_GROUP_BWD) {
-            const size_t o = ((size_t)tok * hq + h0) * 128;
-            qk_norm_rope_bwd_rows<QK_GROUP_BWD>(gq + o, xq + (size_t)tok * q_stride + (size_t)h0 * 128, dq + o,
-                                                min(QK_GROUP_BWD, hq - h0), wqv, dwq, lane, eps, sn, cs);
+        for (int hh = 0; hh < hq; ++hh) {
+            const size_t o = ((size_t)tok * hq + hh) * 128;
+            qk_norm_rope_bwd_row(gq + o, xq + (size_t)tok * q_stride + (size_t)hh * 128, dq + o, wqv, dwq, lane, eps,
+                                 sn, cs);
         }
-        for (int h0 = 0; h0 < hk; h0 += QK_GROUP_BWD) {
-            const size_t o = ((size_t)tok * hk + h0) * 128;
-            qk_norm_rope_bwd_rows<QK_GROUP_BWD>(gk + o, xk + (size_t)tok * k_stride + (size_t)h0 * 128, dk + o,
-                                                min(QK_GROUP_BWD, hk - h0), wkv, dwk, lane, eps, sn, cs);
+        for (int hh = 0; hh < hk; ++hh) {
+            const size_t o = ((size_t)tok * hk + hh) * 128;
+            qk_norm_rope_bwd_row(gk + o, xk + (size_t)tok * k_stride + (size_t)hh * 128, dk + o, wkv, dwk, lane, eps,
+                                 sn, cs);
         }
     }
 #pragma unroll

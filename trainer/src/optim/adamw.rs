@@ -67,6 +67,9 @@ pub struct AdamW {
     eps: f64,
     weight_decay: f64,
     num_steps: u64,
+    /// The one-launch CUDA update's table of state buffers, kept between steps.
+    #[cfg(feature = "cuda")]
+    table: vime_kernels::cuda::AdamwTable,
 }
 
 impl AdamW {
@@ -114,6 +117,8 @@ impl AdamW {
             eps: args.adam_eps,
             weight_decay: args.weight_decay,
             num_steps: 0,
+            #[cfg(feature = "cuda")]
+            table: Default::default(),
         })
     }
 
@@ -205,7 +210,7 @@ impl AdamW {
         let c = StepConsts::new(self.beta1, self.beta2, self.eps, self.weight_decay, t, lr, grad_scale);
         // Every CUDA parameter in one launch of the fused kernel; the rest (CPU) one by one.
         #[cfg(feature = "cuda")]
-        update_fused_all(&self.params, grads, &c)?;
+        update_fused_all(&self.params, grads, &c, &mut self.table)?;
         for p in self.params.iter_mut() {
             #[cfg(feature = "cuda")]
             if fused_cuda(p) {
@@ -413,7 +418,12 @@ fn kernel_grad(g: &Tensor) -> Result<Tensor> {
 /// (`vime_kernels::cuda::adamw_update_multi`, the same bits as one launch each). The gradients'
 /// shapes were checked by the caller.
 #[cfg(feature = "cuda")]
-fn update_fused_all(params: &[ParamState], grads: &BTreeMap<String, Tensor>, c: &StepConsts) -> Result<()> {
+fn update_fused_all(
+    params: &[ParamState],
+    grads: &BTreeMap<String, Tensor>,
+    c: &StepConsts,
+    table: &mut vime_kernels::cuda::AdamwTable,
+) -> Result<()> {
     let fused: Vec<&ParamState> = params.iter().filter(|p| fused_cuda(p)).collect();
     let gs = fused
         .iter()
@@ -434,7 +444,7 @@ fn update_fused_all(params: &[ParamState], grads: &BTreeMap<String, Tensor>, c: 
         .collect();
     // The decay applies to the tensors marked so: `keep` is theirs.
     let k = adam_consts(c, c.decay(true));
-    vime_kernels::cuda::adamw_update_multi(&ts, k).context("fused AdamW update")?;
+    vime_kernels::cuda::adamw_update_multi(&ts, k, table).context("fused AdamW update")?;
     Ok(())
 }
 
