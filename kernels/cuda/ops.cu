@@ -280,7 +280,11 @@ extern "C" __global__ void vime_rmsnorm_fwd_v8(const bf16* __restrict__ x, const
     }
 }
 
-extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const bf16* __restrict__ w,
+// The backward prefetches: the next row's x, g and residual gradient are loaded (as raw 16-byte
+// vectors) before this row's two block reductions, so their memory latency overlaps the barriers
+// instead of following them. Each block still takes rows blockIdx.x, + gridDim.x, ... in order
+// and each element's expressions are unchanged, so dx and the dw partials keep their bits.
+extern "C" __global__ void __launch_bounds__(1024) vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                                const bf16* __restrict__ g, const bf16* __restrict__ res,
                                                bf16* __restrict__ dx, float* __restrict__ dw_part, int rows,
                                                int d, float eps) {
@@ -299,23 +303,33 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
 #pragma unroll
             for (int k = 0; k < 8; ++k) wv[i][k] = 0.f;
     }
+    // The loaded (not yet unpacked) vectors of the row about to be processed.
+    uint4 px[RMSV_MAXV], pg[RMSV_MAXV], pr[RMSV_MAXV];
+    const auto fetch = [&](int row) {
+        const size_t off = (size_t)row * d;
+#pragma unroll
+        for (int i = 0; i < RMSV_MAXV; ++i) {
+            const int c = threadIdx.x + i * blockDim.x;
+            if (c < nv) {
+                px[i] = reinterpret_cast<const uint4*>(x + off)[c];
+                pg[i] = reinterpret_cast<const uint4*>(g + off)[c];
+                if (res) pr[i] = reinterpret_cast<const uint4*>(res + off)[c];
+            }
+        }
+    };
+    if (blockIdx.x < rows) fetch(blockIdx.x);
     for (int row = blockIdx.x; row < rows; row += gridDim.x) {
         const size_t off = (size_t)row * d;
-        const uint4* xr = reinterpret_cast<const uint4*>(x + off);
-        const uint4* gr = reinterpret_cast<const uint4*>(g + off);
-        const uint4* rr = reinterpret_cast<const uint4*>(res + off);
         float xv[RMSV_MAXV][8], gv[RMSV_MAXV][8];
-        // The residual's gradient is loaded with x and g, before the two block reductions, so its
-        // memory latency overlaps theirs instead of following them (the same operations).
         uint4 rv[RMSV_MAXV];
         float ss = 0.f;
 #pragma unroll
         for (int i = 0; i < RMSV_MAXV; ++i) {
             const int c = threadIdx.x + i * blockDim.x;
             if (c < nv) {
-                unpack8(xr[c], xv[i]);
-                unpack8(gr[c], gv[i]);
-                if (res) rv[i] = rr[c];
+                unpack8(px[i], xv[i]);
+                unpack8(pg[i], gv[i]);
+                if (res) rv[i] = pr[i];
             } else {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) xv[i][k] = gv[i][k] = 0.f;
@@ -323,6 +337,7 @@ extern "C" __global__ void vime_rmsnorm_bwd_v8(const bf16* __restrict__ x, const
 #pragma unroll
             for (int k = 0; k < 8; ++k) ss += xv[i][k] * xv[i][k];
         }
+        if (row + (int)gridDim.x < rows) fetch(row + gridDim.x);
         ss = block_sum(ss, scratch);
         const float rstd = 1.f / sqrtf(ss / (float)d + eps);
         float dot = 0.f;
@@ -829,6 +844,100 @@ extern "C" __global__ void vime_adamw_bf16g(float* p, const bf16* g, float* m, f
     adamw_body<bf16>(p, g, m, v, model, n, c);
 }
 
+// Every tensor of an optimizer step in one launch (the per-tensor launches above cost a gap and a
+// partial last wave each: ~0.7 ms of a 0.6B step's 5.5 ms, 310 tensors). Each tensor is cut into
+// chunks of ADAMW_CHUNK elements; a persistent grid strides over all chunks, finding a chunk's
+// tensor by binary search over the table (8 u64 a tensor: p, g, m, v, model or 0, n,
+// flags = decay | g is bf16 << 1 | 16-byte path << 2, first chunk). The same per-element
+// operations as adamw_body, so the same bits as the per-tensor kernels.
+#define ADAMW_CHUNK 4096
+template <typename G>
+__device__ __forceinline__ void adamw_chunk(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
+                                            float* __restrict__ v, bf16* __restrict__ model, size_t begin,
+                                            size_t end, bool vec, const AdamConsts& c) {
+    if (vec) {  // begin is a multiple of ADAMW_CHUNK, end of 4 (n % 4 == 0)
+        float4* p4 = reinterpret_cast<float4*>(p);
+        float4* m4 = reinterpret_cast<float4*>(m);
+        float4* v4 = reinterpret_cast<float4*>(v);
+        for (size_t i = begin / 4 + threadIdx.x; i < end / 4; i += blockDim.x) {
+            float4 pq = p4[i], mq = m4[i], vq = v4[i];
+            float gq[4];
+            load_g4<G>(g, i, gq);
+            adamw_elem(pq.x, gq[0], mq.x, vq.x, c);
+            adamw_elem(pq.y, gq[1], mq.y, vq.y, c);
+            adamw_elem(pq.z, gq[2], mq.z, vq.z, c);
+            adamw_elem(pq.w, gq[3], mq.w, vq.w, c);
+            p4[i] = pq;
+            m4[i] = mq;
+            v4[i] = vq;
+            if (model) {
+                uint2 o;
+                bf16* h = reinterpret_cast<bf16*>(&o);
+                h[0] = __float2bfloat16(pq.x), h[1] = __float2bfloat16(pq.y);
+                h[2] = __float2bfloat16(pq.z), h[3] = __float2bfloat16(pq.w);
+                reinterpret_cast<uint2*>(model)[i] = o;
+            }
+        }
+    } else {
+        for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            float pi = p[i], mi = m[i], vi = v[i];
+            adamw_elem(pi, load_g<G>(g, i), mi, vi, c);
+            p[i] = pi;
+            m[i] = mi;
+            v[i] = vi;
+            if (model) model[i] = __float2bfloat16(pi);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) vime_adamw_multi(const unsigned long long* __restrict__ segs,
+                                                                   int nseg, unsigned long long nchunks,
+                                                                   AdamConsts c) {
+    for (unsigned long long ch = blockIdx.x; ch < nchunks; ch += gridDim.x) {
+        int lo = 0, hi = nseg - 1;  // the last tensor whose first chunk is <= ch
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (segs[8 * mid + 7] <= ch) lo = mid;
+            else hi = mid - 1;
+        }
+        const unsigned long long* s = segs + 8 * lo;
+        const size_t n = s[5], begin = (size_t)(ch - s[7]) * ADAMW_CHUNK;
+        const size_t end = begin + ADAMW_CHUNK < n ? begin + ADAMW_CHUNK : n;
+        const unsigned long long flags = s[6];
+        AdamConsts cc = c;
+        cc.decay = c.decay && (flags & 1);
+        float* p = reinterpret_cast<float*>(s[0]);
+        float* m = reinterpret_cast<float*>(s[2]);
+        float* v = reinterpret_cast<float*>(s[3]);
+        bf16* model = reinterpret_cast<bf16*>(s[4]);
+        const bool vec = (flags >> 2) & 1;
+        if ((flags >> 1) & 1)
+            adamw_chunk<bf16>(p, reinterpret_cast<const bf16*>(s[1]), m, v, model, begin, end, vec, cc);
+        else
+            adamw_chunk<float>(p, reinterpret_cast<const float*>(s[1]), m, v, model, begin, end, vec, cc);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// bf16 gradients into their f32 running sums, every tensor of a backward in one launch (the norms'
+// weights: 113 tensors at Qwen3-0.6B, each a cast, and from the second micro-batch on an add too,
+// launched one by one). Segment i is 4 u64s: the bf16 gradient, the f32 sum to add to (0: none),
+// the f32 output (the sum itself, in place, or a fresh buffer), n. out = sum + f32(g) rounded as an
+// f32 add, or f32(g) exactly where there is no sum (no add of zero, which would turn -0 into +0):
+// the bits of candle's cast and add. A block (or several, strided) per segment.
+extern "C" __global__ void vime_widen_add_multi(const unsigned long long* __restrict__ segs, int nseg) {
+    for (int i = blockIdx.x; i < nseg; i += gridDim.x) {
+        const bf16* g = reinterpret_cast<const bf16*>(segs[4 * i]);
+        const float* sum = reinterpret_cast<const float*>(segs[4 * i + 1]);
+        float* out = reinterpret_cast<float*>(segs[4 * i + 2]);
+        const size_t n = segs[4 * i + 3];
+        for (size_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const float v = __bfloat162float(g[j]);
+            out[j] = sum ? __fadd_rn(sum[j], v) : v;
+        }
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Sum of squares for the global gradient norm, deterministic: vime_sumsq_* writes one f64 partial
 // per block (grid-stride over the tensor, a fixed grid), vime_sum_partials adds a tensor's
@@ -1187,23 +1296,73 @@ extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const b
 // all hq + hk heads (the per-row kernel computes them for every head: 40 times over at Qwen3-4B,
 // which made it slower than the separate norm and rope kernels on a training batch). The same
 // operations per element, so the same bits as vime_qk_norm_rope and as the four separate kernels.
+//
+// QK_GROUP head rows at a time: their loads are issued together, then their sums reduced, then
+// their outputs written. One row at a time left a warp a single 256-byte row in flight, about 2 TB/s
+// on the H200 at 5 blocks an SM (the 0.6B and 4B timelines); the same expressions per element in the
+// same order, so the bits do not change.
+#define QK_GROUP 4
+
+// `n` rows (n <= QK_GROUP) of one token's heads, 128 apart from x (the input row) and y (the
+// output row), normalised by w (`wv`: the lane's four weights) and rotated by the lane's angles.
+__device__ __forceinline__ void qk_norm_rope_rows(const bf16* __restrict__ x, bf16* __restrict__ y, int n,
+                                                  const float (&wv)[4], int lane, float eps, const float* sn,
+                                                  const float* cs) {
+    float xv[QK_GROUP][4], ss[QK_GROUP];
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g)
+        if (g < n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xv[g][i] = __bfloat162float(x[g * 128 + lane + 32 * i]);
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g) {
+        ss[g] = 0.f;
+        if (g < n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ss[g] += xv[g][i] * xv[g][i];
+    }
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g)
+        if (g < n) ss[g] = warp_sum(ss[g]);
+#pragma unroll
+    for (int g = 0; g < QK_GROUP; ++g) {
+        if (g >= n) break;
+        const float rstd = 1.f / sqrtf(ss[g] / 128.f + eps);
+        float nv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) nv[i] = __bfloat162float(__float2bfloat16(xv[g][i] * rstd * wv[i]));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int j = lane + 32 * i;
+            float y1, y2;
+            rope_rot(nv[i], nv[i + 2], cs[i], sn[i], &y1, &y2);
+            y[g * 128 + j] = __float2bfloat16(y1);
+            y[g * 128 + j + 64] = __float2bfloat16(y2);
+        }
+    }
+}
+
 extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                                  const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
                                                  bf16* __restrict__ ko, int t, int hq, int hk, float eps,
                                                  float theta, long long q_stride, long long k_stride) {
-    const int d = 128;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float wqv[4], wkv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        wqv[i] = __bfloat162float(wq[lane + 32 * i]);
+        wkv[i] = __bfloat162float(wk[lane + 32 * i]);
+    }
     for (int tok = blockIdx.x * RMSW_WARPS + warp; tok < t; tok += gridDim.x * RMSW_WARPS) {
         float sn[2], cs[2];
         qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
-        for (int hh = 0; hh < hq + hk; ++hh) {
-            const bool is_q = hh < hq;
-            const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
-                                  : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
-            bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
-            qk_norm_rope_row(xr, yr, is_q ? wq : wk, lane, eps, sn, cs);
-        }
+        for (int h0 = 0; h0 < hq; h0 += QK_GROUP)
+            qk_norm_rope_rows(q + (size_t)tok * q_stride + (size_t)h0 * 128, qo + ((size_t)tok * hq + h0) * 128,
+                              min(QK_GROUP, hq - h0), wqv, lane, eps, sn, cs);
+        for (int h0 = 0; h0 < hk; h0 += QK_GROUP)
+            qk_norm_rope_rows(k + (size_t)tok * k_stride + (size_t)h0 * 128, ko + ((size_t)tok * hk + h0) * 128,
+                              min(QK_GROUP, hk - h0), wkv, lane, eps, sn, cs);
     }
 }
 

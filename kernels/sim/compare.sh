@@ -21,6 +21,10 @@ if grep -q "vime_adamw_multi" "$root/kernels/cuda/ops.cu"; then
     g++ "${flags[@]}" "$here/check_adamw_multi.cpp" -o "$tmp/adamw_multi"
     "$tmp/adamw_multi"
 fi
+if grep -q "vime_widen_add_multi" "$root/kernels/cuda/ops.cu"; then
+    g++ "${flags[@]}" "$here/check_widen_add.cpp" -o "$tmp/widen_add"
+    "$tmp/widen_add"
+fi
 "$tmp/base" "$tmp/base.bin" 2>"$tmp/base.log"
 "$tmp/head" "$tmp/head.bin" 2>"$tmp/head.log"
 python3 - "$tmp/base.bin" "$tmp/head.bin" "$tmp/head.log" "$base" <<'PY'

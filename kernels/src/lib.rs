@@ -100,6 +100,43 @@ pub fn add(a: &candle_core::Tensor, b: &candle_core::Tensor) -> candle_core::Res
     a + b
 }
 
+/// Gradients into running sums: for each `(g, sum)`, `sum + g` in the sum's dtype, or `g` in
+/// `dtype` where there is no sum (`g` as is when already in it). The values of
+/// `sum + g.to_dtype(sum.dtype())` and `g.to_dtype(dtype)`, bit for bit. Fused CUDA (bf16
+/// gradients, f32 sums, contiguous): one launch for every tensor, each sum updated in place.
+pub fn widen_into_sums(
+    items: Vec<(candle_core::Tensor, Option<candle_core::Tensor>)>,
+    dtype: candle_core::DType,
+) -> candle_core::Result<Vec<candle_core::Tensor>> {
+    #[cfg(feature = "cuda")]
+    if dtype == candle_core::DType::F32
+        && !items.is_empty()
+        && items.iter().all(|(g, s)| {
+            fused_cuda(g.device(), g.dtype())
+                && g.is_contiguous()
+                && s.as_ref().is_none_or(|s| {
+                    s.dtype() == candle_core::DType::F32
+                        && s.is_contiguous()
+                        && s.dims() == g.dims()
+                        && s.device().same_device(g.device())
+                })
+        })
+        && items.iter().all(|(g, _)| g.device().same_device(items[0].0.device()))
+    {
+        return cuda::widen_add_multi(&items);
+    }
+    items
+        .into_iter()
+        .map(|(g, sum)| match sum {
+            Some(s) => {
+                let g = g.to_dtype(s.dtype())?;
+                s + g
+            }
+            None => g.to_dtype(dtype),
+        })
+        .collect()
+}
+
 /// A linear layer's weight gradient `dy^T x` (`dy: [T, out]`, `x: [T, in]`), `[out, in]` in at
 /// least f32 (f64 inputs stay f64). Fused CUDA (bf16): one cuBLAS GEMM writing f32 directly, so the
 /// f32 gradient buffers of the optimizer need no separate cast pass.

@@ -198,6 +198,8 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     head("logprobs_entropy (odd V)", h, lm, &odd, 100, &mut failures)?;
 
     check_adamw(&gpu, &mut rng, &mut failures)?;
+    check_adamw_multi(&gpu, &mut rng, &mut failures)?;
+    check_widen_into_sums(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
@@ -205,7 +207,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
-    checks += 8;
+    checks += 9;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -429,6 +431,138 @@ fn check_adamw_n(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>, n: usi
     );
     if worst != 0.0 || model_err != 0.0 {
         failures.push(format!("adamw: max abs diff {worst:e}, model copy {model_err:e}"));
+    }
+    Ok(())
+}
+
+/// The one-launch AdamW of many tensors against one `adamw_update` launch each (itself checked
+/// bit for bit against the CPU above), bit for bit over three steps: tensors of many chunks and of
+/// one, lengths the 16-byte path takes and ones it does not, a view at an odd offset (scalar path),
+/// f32 and bf16 gradients, with and without decay and a model copy.
+fn check_adamw_multi(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    use vime_kernels::cuda::{adamw_update, adamw_update_multi, AdamConsts, AdamwTensor};
+    // (length, bf16 gradient, decay, model copy, offset into a larger buffer)
+    let cases = [
+        (1usize << 20, false, true, true, 0usize),
+        ((1 << 20) + 3, false, false, true, 0),
+        (5, true, true, false, 0),
+        (4096, false, true, true, 0),
+        (4097, true, false, true, 0),
+        (12288, true, true, true, 0),
+        (10000, false, true, true, 1),
+        (1, false, false, false, 0),
+    ];
+    let f32t = |rng: &mut Rng, n: usize, s: f64| rng.randn(&[n], s, DType::F32, gpu);
+    struct T {
+        p: Tensor,
+        m: Tensor,
+        v: Tensor,
+        model: Option<Tensor>,
+    }
+    let make = |rng: &mut Rng, n: usize, off: usize, model: bool| -> Result<(T, T)> {
+        let p = f32t(rng, n + off, 1.0)?.narrow(0, off, n)?;
+        let m = f32t(rng, n + off, 1e-3)?.narrow(0, off, n)?;
+        let v = f32t(rng, n + off, 1e-3)?.abs()?.narrow(0, off, n)?;
+        let md = if model { Some(p.to_dtype(DType::BF16)?) } else { None };
+        let copy = |t: &Tensor| t.copy();
+        let b = T {
+            p: copy(&p)?,
+            m: copy(&m)?,
+            v: copy(&v)?,
+            model: md.as_ref().map(copy).transpose()?,
+        };
+        Ok((T { p, m, v, model: md }, b))
+    };
+    let mut one = Vec::new();
+    let mut multi = Vec::new();
+    for &(n, _, _, model, off) in &cases {
+        let (a, b) = make(rng, n, off, model)?;
+        one.push(a);
+        multi.push(b);
+    }
+    // The offset case must really be a view (the copies above made it contiguous from 0 again).
+    let (n6, off6) = (cases[6].0, cases[6].4);
+    multi[6].p = Tensor::cat(&[&f32t(rng, off6, 1.0)?, &multi[6].p], 0)?.narrow(0, off6, n6)?;
+    multi[6].m = Tensor::cat(&[&f32t(rng, off6, 1.0)?, &multi[6].m], 0)?.narrow(0, off6, n6)?;
+    multi[6].v = Tensor::cat(&[&f32t(rng, off6, 1.0)?, &multi[6].v], 0)?.narrow(0, off6, n6)?;
+    let (lr, wd, b1, b2, eps): (f64, f64, f64, f64, f64) = (3e-4, 0.1, 0.9, 0.98, 1e-8);
+    // Kept across the steps, as the optimizer keeps it; before step 3 one tensor's moments are
+    // replaced by copies (new buffers, as a loaded state brings), which its row must notice.
+    let mut table = vime_kernels::cuda::AdamwTable::default();
+    for t in 1..=3u64 {
+        if t == 3 {
+            multi[0].m = multi[0].m.copy()?;
+            multi[0].v = multi[0].v.copy()?;
+        }
+        let bc1 = 1.0 - b1.powf(t as f64);
+        let bc2 = (1.0 - b2.powf(t as f64)).sqrt();
+        let consts = |decay: bool| AdamConsts {
+            keep: (1.0 - lr * wd) as f32,
+            one_m_b1: (1.0 - b1) as f32,
+            b2: b2 as f32,
+            one_m_b2: (1.0 - b2) as f32,
+            inv_bc2: (1.0 / bc2) as f32,
+            eps: eps as f32,
+            neg_step: (-(lr / bc1)) as f32,
+            decay: decay as i32,
+            grad_scale: 0.37,
+            scale: (t == 2) as i32,
+        };
+        let grads: Vec<Tensor> = cases
+            .iter()
+            .map(|&(n, bf, ..)| {
+                let g = f32t(rng, n, 1e-2)?;
+                Ok(if bf { g.to_dtype(DType::BF16)? } else { g })
+            })
+            .collect::<Result<_>>()?;
+        for ((a, g), &(_, _, decay, ..)) in one.iter().zip(&grads).zip(&cases) {
+            adamw_update(&a.p, g, &a.m, &a.v, a.model.as_ref(), consts(decay))?;
+        }
+        let names: Vec<String> = (0..cases.len()).map(|i| format!("t{i}")).collect();
+        let ts: Vec<AdamwTensor<'_>> = multi
+            .iter()
+            .zip(&grads)
+            .zip(&cases)
+            .zip(&names)
+            .map(|(((b, g), &(_, _, decay, ..)), name)| AdamwTensor {
+                name,
+                master: &b.p,
+                grad: g,
+                exp_avg: &b.m,
+                exp_avg_sq: &b.v,
+                model: b.model.as_ref(),
+                decay,
+            })
+            .collect();
+        adamw_update_multi(&ts, consts(true), &mut table)?;
+    }
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    let mut differ = Vec::new();
+    for (i, (a, b)) in one.iter().zip(&multi).enumerate() {
+        let mut same = bits(&a.p)? == bits(&b.p)? && bits(&a.m)? == bits(&b.m)? && bits(&a.v)? == bits(&b.v)?;
+        if let (Some(x), Some(y)) = (&a.model, &b.model) {
+            same &= bits(x)? == bits(y)?;
+        }
+        if !same {
+            differ.push(format!("{:?}", cases[i]));
+        }
+    }
+    println!(
+        "{:<26} {:<52} tensors whose p, m, v or model copy differ from one launch each: {}  {}",
+        "adamw (one launch)",
+        format!("{} tensors, 3 steps, a state replaced", cases.len()),
+        differ.len(),
+        if differ.is_empty() { "ok" } else { "FAIL" }
+    );
+    if !differ.is_empty() {
+        failures.push(format!("adamw one launch differs for {}", differ.join(", ")));
     }
     Ok(())
 }
@@ -1682,6 +1816,52 @@ fn true_on_policy_kernels_on_cuda() -> Result<()> {
 }
 
 /// Prints one check's line (`op`, `shape`, what it measured, ok or FAIL) and records a failure.
+/// `widen_into_sums` on the GPU (one launch for every tensor, the sums updated in place) against
+/// its CPU path (`sum + g.to_dtype(F32)`, `g.to_dtype(F32)`), bit for bit: Qwen3-4B's norm widths,
+/// with and without a running sum, a -0.0 gradient element without a sum (must stay -0.0), and an
+/// empty tensor; the in-place sums must be the buffers returned.
+fn check_widen_into_sums(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let bf = DType::BF16;
+    let shapes: [&[usize]; 6] = [&[128], &[2560], &[128], &[2560], &[0], &[3, 5]];
+    let mut items_cpu = Vec::new();
+    let mut items_gpu = Vec::new();
+    for (i, sh) in shapes.iter().enumerate() {
+        let mut g = rng.randn(sh, 0.5, bf, &Device::Cpu)?;
+        if i == 2 {
+            // -0.0 at element 0 of a gradient with no sum
+            let mut v = g.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            v[0] = -0.0;
+            g = Tensor::from_vec(v, sh.to_vec(), &Device::Cpu)?.to_dtype(bf)?;
+        }
+        let sum = (i % 2 == 1)
+            .then(|| rng.randn(sh, 2.0, DType::F32, &Device::Cpu))
+            .transpose()?;
+        items_gpu.push((g.to_device(gpu)?, sum.as_ref().map(|s| s.to_device(gpu)).transpose()?));
+        items_cpu.push((g, sum));
+    }
+    let sum_ids: Vec<Option<candle_core::TensorId>> =
+        items_gpu.iter().map(|(_, s)| s.as_ref().map(|s| s.id())).collect();
+    let want = vime_kernels::widen_into_sums(items_cpu, DType::F32)?;
+    let got = vime_kernels::widen_into_sums(items_gpu, DType::F32)?;
+    let mut same = want.len() == got.len();
+    for (w, g) in want.iter().zip(&got) {
+        let (w, g) = (
+            w.flatten_all()?.to_vec1::<f32>()?,
+            g.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?,
+        );
+        same &= w.len() == g.len() && w.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits());
+    }
+    let in_place = got.iter().zip(&sum_ids).all(|(g, p)| p.is_none_or(|p| g.id() == p));
+    report(
+        failures,
+        "widen_into_sums",
+        "6 tensors (128, 2560, [3, 5], empty), bf16 -> f32",
+        &format!("bit-equal to the CPU {same}, sums in place {in_place}"),
+        same && in_place,
+    );
+    Ok(())
+}
+
 fn report(failures: &mut Vec<String>, op: &str, shape: &str, detail: &str, ok: bool) {
     println!("{op:<26} {shape:<52} {detail}  {}", if ok { "ok" } else { "FAIL" });
     if !ok {

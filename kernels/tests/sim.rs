@@ -1,44 +1,64 @@
-//! The host simulator of CUDA threads (`kernels/sim`, for sessions without a GPU) stays sound:
-//! builds `selftest.cpp` with g++ and runs it. The self-test holds the simulator's barriers,
-//! shuffles and block sums to CUDA's results, checks that a divergent barrier is reported, that
-//! `vime_qk_norm_rope` and `vime_qk_norm_rope_tok` of `kernels/cuda/ops.cu` are bit-equal (as the
-//! GPU kernel check finds), and that the 16-byte RMSNorm forward matches a double reference.
+//! The host simulator of CUDA threads (`kernels/sim`, for sessions without a GPU) stays sound,
+//! and the kernels of `kernels/cuda/ops.cu` that claim another's bits keep them under it: builds
+//! each program with g++ and runs it.
+//! - `selftest.cpp`: the simulator's barriers, shuffles and block sums against CUDA's results, a
+//!   divergent barrier reported, `vime_qk_norm_rope` == `vime_qk_norm_rope_tok` bit for bit (as
+//!   the GPU kernel check finds), the 16-byte RMSNorm forward against a double reference;
+//! - `check_adamw_multi.cpp`: the one-launch AdamW against one launch per tensor, 3 steps;
+//! - `check_widen_add.cpp`: bf16 gradients into f32 sums in one launch against cast and add.
 
 use std::path::Path;
 use std::process::Command;
 
-#[test]
-fn simulator_self_test_passes() {
+/// Builds `kernels/sim/<src>` and runs it; its stdout must hold `verdict`.
+fn run_sim(src: &str, verdict: &str) {
     let sim = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim");
-    let dir = tempfile_dir();
-    let exe = dir.join("selftest");
+    let dir = tempfile_dir(src);
+    let exe = dir.join("prog");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
     let build = Command::new(&cxx)
         .args(["-std=c++17", "-O1", "-ffp-contract=off", "-Wno-unknown-pragmas"])
         .arg(format!("-I{}", sim.join("include").display()))
         .arg(format!("-I{}", sim.display()))
-        .arg(sim.join("selftest.cpp"))
+        .arg(sim.join(src))
         .arg("-o")
         .arg(&exe)
         .output()
         .unwrap_or_else(|e| panic!("running {cxx} (C++17 compiler for kernels/sim; set CXX): {e}"));
     assert!(
         build.status.success(),
-        "{cxx} failed on kernels/sim/selftest.cpp:\n{}",
+        "{cxx} failed on kernels/sim/{src}:\n{}",
         String::from_utf8_lossy(&build.stderr)
     );
-    let run = Command::new(&exe).output().expect("running the simulator self-test");
+    let run = Command::new(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("running kernels/sim/{src}: {e}"));
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(
-        run.status.success() && stdout.contains("SIMT SELFTEST: PASS"),
-        "simulator self-test failed:\n{stdout}\n{}",
+        run.status.success() && stdout.contains(verdict),
+        "kernels/sim/{src} failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&run.stderr)
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn tempfile_dir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("vime-sim-{}", std::process::id()));
+#[test]
+fn simulator_self_test_passes() {
+    run_sim("selftest.cpp", "SIMT SELFTEST: PASS");
+}
+
+#[test]
+fn one_launch_adamw_equals_one_launch_per_tensor_in_the_simulator() {
+    run_sim("check_adamw_multi.cpp", "ADAMW MULTI: PASS");
+}
+
+#[test]
+fn one_launch_widening_equals_cast_and_add_in_the_simulator() {
+    run_sim("check_widen_add.cpp", "WIDEN ADD MULTI: PASS");
+}
+
+fn tempfile_dir(src: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("vime-sim-{}-{src}", std::process::id()));
     std::fs::create_dir_all(&d).expect("creating a temporary directory");
     d
 }

@@ -434,6 +434,11 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         let s1 = Instant::now();
         let grads = acc.take();
         opt.step(&grads, opt_args.lr, 1.0, &dp)?;
+        // Freed while the optimizer's kernels run, as the trainer's step frees them (it returns
+        // without waiting for the device). Freed after the wait, the ~310 frees (0.6B) were
+        // host time at the next step's start with the GPU idle: 0.6-0.9 ms of gap in the 0.6B
+        // timeline (benches/results/2026-12-05-rows-981a9bb-h200.md).
+        drop(grads);
         device.synchronize()?;
         let s2 = Instant::now();
         if step >= args.warmup {

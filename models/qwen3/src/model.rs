@@ -574,12 +574,50 @@ impl Qwen3 {
     /// Casts the gradients that came out in a half dtype (the norms' weights: their kernels round
     /// to the model's dtype, as Megatron's do) to the dtype of the sums: the same values the
     /// caller's accumulator makes of them, in the order they were queued.
-    fn widen_to_sums(&self, params: &mut BTreeMap<String, Tensor>) -> Result<()> {
+    /// The running sums of the parameters whose gradients the explicit backward makes in bf16
+    /// (the norms' weights, biases), out of `params`: [`Self::widen_to_sums`] adds this
+    /// micro-batch's gradients to them in one launch at the end of the backward, where `put`
+    /// would cast and add each as it arrives (226 launches a micro-batch at Qwen3-0.6B). Which
+    /// names are held aside only decides where the add happens, never its value.
+    fn take_bf16_grad_sums(&self, params: &mut BTreeMap<String, Tensor>) -> BTreeMap<String, Tensor> {
+        if !matches!(self.dtype(), DType::BF16 | DType::F16) {
+            return BTreeMap::new();
+        }
+        let names: Vec<String> = params
+            .keys()
+            .filter(|n| n.ends_with("norm.weight") || n.ends_with(".bias"))
+            .cloned()
+            .collect();
+        names
+            .into_iter()
+            .filter_map(|n| params.remove(&n).map(|s| (n, s)))
+            .collect()
+    }
+
+    /// Makes every gradient in `params` a running sum in the sums' dtype: the half-precision
+    /// ones widened, with the sums held aside by [`Self::take_bf16_grad_sums`] added, all in one
+    /// `vime_kernels::widen_into_sums` (one launch on CUDA); a held sum whose gradient came in
+    /// another dtype is added as `put` adds, and one that got no gradient goes back as it was.
+    fn widen_to_sums(&self, params: &mut BTreeMap<String, Tensor>, mut held: BTreeMap<String, Tensor>) -> Result<()> {
         let to = self.grad_sum_dtype();
-        for (name, g) in params.iter_mut() {
-            if matches!(g.dtype(), DType::BF16 | DType::F16) {
-                *g = g.to_dtype(to).with_context(|| format!("the gradient sum of {name}"))?;
-            }
+        let names: Vec<String> = params
+            .iter()
+            .filter(|(_, g)| matches!(g.dtype(), DType::BF16 | DType::F16))
+            .map(|(n, _)| n.clone())
+            .collect();
+        let items: Vec<(Tensor, Option<Tensor>)> = names
+            .iter()
+            .map(|n| (params.remove(n).expect("listed above"), held.remove(n)))
+            .collect();
+        let sums = vime_kernels::widen_into_sums(items, to)
+            .with_context(|| format!("the gradient sums of {}", names.join(", ")))?;
+        params.extend(names.into_iter().zip(sums));
+        for (name, sum) in held {
+            let s = match params.remove(&name) {
+                Some(g) => (&sum + g.to_dtype(sum.dtype())?).with_context(|| format!("the gradient sum of {name}"))?,
+                None => sum,
+            };
+            params.insert(name, s);
         }
         Ok(())
     }
@@ -1009,7 +1047,7 @@ impl Qwen3 {
                 add_gradient(&mut params, name, g)?;
             }
             if as_sums {
-                self.widen_to_sums(&mut params)?;
+                self.widen_to_sums(&mut params, BTreeMap::new())?;
             }
             grads.params = params;
             return Ok((loss, grads));
@@ -1025,6 +1063,7 @@ impl Qwen3 {
         // recompute group keeps its input in `inputs[l]`, and under keep-attention every
         // recomputed layer its attention in `kept[l]`.
         let mut params = sums;
+        let held = self.take_bf16_grad_sums(&mut params);
         // The LM head's gradient sum (the embedding's too when they are tied), taken out of the
         // running sums or made now, before the forward, while memory is low: the head's GEMMs
         // add into it in f32 and the embedding's backward adds its rows in place, so no
@@ -1144,11 +1183,9 @@ impl Qwen3 {
         };
         add_gradient(&mut params, embed_name, ge)?;
         if as_sums {
-            // Queued behind the backward, before the wait below: cast after it (as the caller's
-            // accumulator did), each launch found the GPU idle (113 casts at 0.6B in the 069db58
-            // timeline; the step time did not change measurably, see
-            // benches/results/2026-12-05-rows-981a9bb-h200.md).
-            self.widen_to_sums(&mut params)?;
+            // Queued behind the backward, before the wait below (cast after it, as the caller's
+            // accumulator once did, each launch found the GPU idle). One launch for all of them.
+            self.widen_to_sums(&mut params, held)?;
         }
         // The loss value last: reading it waits for the device, and read before the backward it
         // left the GPU idle while the host queued the head's backward (~0.4-0.8 ms a micro-batch

@@ -67,6 +67,9 @@ pub struct AdamW {
     eps: f64,
     weight_decay: f64,
     num_steps: u64,
+    /// The one-launch CUDA update's table of state buffers, kept between steps.
+    #[cfg(feature = "cuda")]
+    table: vime_kernels::cuda::AdamwTable,
 }
 
 impl AdamW {
@@ -114,6 +117,8 @@ impl AdamW {
             eps: args.adam_eps,
             weight_decay: args.weight_decay,
             num_steps: 0,
+            #[cfg(feature = "cuda")]
+            table: Default::default(),
         })
     }
 
@@ -203,31 +208,12 @@ impl AdamW {
 
         let t = self.num_steps + 1;
         let c = StepConsts::new(self.beta1, self.beta2, self.eps, self.weight_decay, t, lr, grad_scale);
+        // Every CUDA parameter in one launch of the fused kernel; the rest (CPU) one by one.
+        #[cfg(feature = "cuda")]
+        update_fused_all(&self.params, grads, &c, &mut self.table)?;
         for p in self.params.iter_mut() {
             #[cfg(feature = "cuda")]
             if fused_cuda(p) {
-                let model = p.var.as_tensor();
-                let res = match &p.master {
-                    Some(m) => update_fused(
-                        m,
-                        &grads[&p.name],
-                        &p.exp_avg,
-                        &p.exp_avg_sq,
-                        Some(model),
-                        p.weight_decay,
-                        &c,
-                    ),
-                    None => update_fused(
-                        model,
-                        &grads[&p.name],
-                        &p.exp_avg,
-                        &p.exp_avg_sq,
-                        None,
-                        p.weight_decay,
-                        &c,
-                    ),
-                };
-                res.with_context(|| format!("fused AdamW update of {}", p.name))?;
                 continue;
             }
             let name = p.name.clone();
@@ -389,8 +375,22 @@ pub(crate) fn update_fused(
     weight_decay: bool,
     c: &StepConsts,
 ) -> Result<()> {
-    let decay = c.decay(weight_decay);
-    let k = vime_kernels::cuda::AdamConsts {
+    let k = adam_consts(c, c.decay(weight_decay));
+    Ok(vime_kernels::cuda::adamw_update(
+        master,
+        &kernel_grad(g)?,
+        exp_avg,
+        exp_avg_sq,
+        model,
+        k,
+    )?)
+}
+
+/// The kernel's f32 constants of step `c`, with `decay` (`lr * weight_decay`, or 0) for the
+/// tensors that decay.
+#[cfg(feature = "cuda")]
+fn adam_consts(c: &StepConsts, decay: f64) -> vime_kernels::cuda::AdamConsts {
+    vime_kernels::cuda::AdamConsts {
         keep: (1.0 - decay) as f32,
         one_m_b1: (1.0 - c.beta1) as f32,
         b2: c.beta2 as f32,
@@ -401,15 +401,51 @@ pub(crate) fn update_fused(
         decay: (decay != 0.0) as i32,
         grad_scale: c.grad_scale.unwrap_or(1.0) as f32,
         scale: c.grad_scale.is_some() as i32,
-    };
+    }
+}
+
+/// A gradient as the fused kernel reads it: contiguous, f32 or bf16.
+#[cfg(feature = "cuda")]
+fn kernel_grad(g: &Tensor) -> Result<Tensor> {
     let g = g.contiguous()?;
-    let g = match g.dtype() {
+    Ok(match g.dtype() {
         DType::F32 | DType::BF16 => g,
         _ => g.to_dtype(DType::F32)?,
-    };
-    Ok(vime_kernels::cuda::adamw_update(
-        master, &g, exp_avg, exp_avg_sq, model, k,
-    )?)
+    })
+}
+
+/// [`update_fused`] of every CUDA parameter of `params` in one kernel launch
+/// (`vime_kernels::cuda::adamw_update_multi`, the same bits as one launch each). The gradients'
+/// shapes were checked by the caller.
+#[cfg(feature = "cuda")]
+fn update_fused_all(
+    params: &[ParamState],
+    grads: &BTreeMap<String, Tensor>,
+    c: &StepConsts,
+    table: &mut vime_kernels::cuda::AdamwTable,
+) -> Result<()> {
+    let fused: Vec<&ParamState> = params.iter().filter(|p| fused_cuda(p)).collect();
+    let gs = fused
+        .iter()
+        .map(|p| kernel_grad(&grads[&p.name]).with_context(|| format!("the gradient of {}", p.name)))
+        .collect::<Result<Vec<_>>>()?;
+    let ts: Vec<vime_kernels::cuda::AdamwTensor<'_>> = fused
+        .iter()
+        .zip(&gs)
+        .map(|(p, g)| vime_kernels::cuda::AdamwTensor {
+            name: &p.name,
+            master: p.master.as_ref().unwrap_or_else(|| p.var.as_tensor()),
+            grad: g,
+            exp_avg: &p.exp_avg,
+            exp_avg_sq: &p.exp_avg_sq,
+            model: p.master.as_ref().map(|_| p.var.as_tensor()),
+            decay: p.weight_decay,
+        })
+        .collect();
+    // The decay applies to the tensors marked so: `keep` is theirs.
+    let k = adam_consts(c, c.decay(true));
+    vime_kernels::cuda::adamw_update_multi(&ts, k, table).context("fused AdamW update")?;
+    Ok(())
 }
 
 /// Whether `p` takes the fused CUDA AdamW kernel: a CUDA parameter held in bf16 (separate f32
