@@ -158,6 +158,85 @@ static void lmhead_case(int t, int v, int vc_max, int row_chunk) {
     }
 }
 
+// vime_swiglu_fwd / _bwd and vime_add_bf16: 16-byte and element paths (n % 8 != 0), strided grids.
+static void elementwise_case(size_t n, unsigned grid) {
+    const std::string name = "elementwise n" + std::to_string(n) + " grid" + std::to_string(grid);
+    if (!want(name)) return;
+    std::vector<bf16> g = bf(n, 2.f), u = bf(n), gy = bf(n), y(n), dg(n), du(n), a = bf(n), s(n);
+    sim::launch(dim3(grid), dim3(256), [&] { vime_swiglu_fwd(g.data(), u.data(), y.data(), n); });
+    sim::launch(dim3(grid), dim3(256),
+                [&] { vime_swiglu_bwd(g.data(), u.data(), gy.data(), dg.data(), du.data(), n); });
+    sim::launch(dim3(grid), dim3(256), [&] { vime_add_bf16(a.data(), u.data(), s.data(), n); });
+    emit("swiglu y", y);
+    emit("swiglu dg", dg);
+    emit("swiglu du", du);
+    emit("add", s);
+}
+
+// vime_sumsq_multi + vime_sum_partials_multi over f32 and bf16 tensors, a misaligned view (the
+// element path) and tensors of more blocks than the grid, laid out as kernels/src/cuda.rs does.
+static void sumsq_case(unsigned grid) {
+    const std::string name = "sumsq grid" + std::to_string(grid);
+    if (!want(name)) return;
+    std::vector<float> f1(5000), f2(4099);
+    for (auto& x : f1) x = rnd();
+    for (auto& x : f2) x = rnd() * 3.f;
+    std::vector<bf16> b1 = bf(3001), b2 = bf(64);
+    struct Seg {
+        const void* p;
+        size_t n;
+        bool bf16;
+    };
+    const Seg segs_in[] = {{f1.data(), f1.size(), false}, {b1.data(), b1.size(), true},
+                           {f2.data() + 1, f2.size() - 1, false}, {b2.data(), b2.size(), true}};
+    std::vector<unsigned long long> segs;
+    unsigned long long first = 0;
+    for (const Seg& sg : segs_in) {
+        const unsigned long long blocks = std::min<unsigned long long>(grid, (sg.n + 255) / 256);
+        const unsigned long long vec = ((uintptr_t)sg.p % 16) == 0;
+        segs.insert(segs.end(), {(unsigned long long)sg.p, (unsigned long long)sg.n, first,
+                                 blocks | ((unsigned long long)sg.bf16 << 32) | (vec << 33)});
+        first += blocks;
+    }
+    std::vector<double> partial(first), out(4);
+    sim::launch(dim3(grid), dim3(256), [&] { vime_sumsq_multi(segs.data(), 4, partial.data()); });
+    sim::launch(dim3(4), dim3(32), [&] { vime_sum_partials_multi(partial.data(), segs.data(), out.data()); });
+    emit("sumsq partials", partial);
+    emit("sumsq", out);
+}
+
+// The per-tensor AdamW kernels (16-byte and element paths, f32 and bf16 gradients), 2 steps.
+static void adamw_case(size_t n, bool g_bf16) {
+    const std::string name = "adamw n" + std::to_string(n) + (g_bf16 ? " bf16" : " f32");
+    if (!want(name)) return;
+    std::vector<float> p(n), m(n), v(n), gf(n);
+    for (size_t i = 0; i < n; ++i) p[i] = rnd(), m[i] = rnd() * 0.1f, v[i] = std::fabs(rnd()) * 0.01f;
+    std::vector<bf16> model(n);
+    for (int step = 1; step <= 2; ++step) {
+        for (auto& x : gf) x = rnd() * 0.01f;
+        std::vector<bf16> gb(n);
+        for (size_t i = 0; i < n; ++i) gb[i] = __float2bfloat16(gf[i]);
+        AdamConsts c{};
+        c.keep = 1.f - 3e-4f * 0.1f, c.one_m_b1 = 0.1f, c.b2 = 0.98f, c.one_m_b2 = 0.02f;
+        c.inv_bc2 = 1.f / std::sqrt(1.f - std::pow(0.98f, (float)step)), c.eps = 1e-8f;
+        c.neg_step = -3e-4f / (1.f - std::pow(0.9f, (float)step)), c.decay = step == 1;
+        c.grad_scale = 0.37f, c.scale = step == 2;
+        const bool wide = n % 4 == 0;
+        sim::launch(dim3(3), dim3(256), [&] {
+            if (g_bf16)
+                wide ? vime_adamw_bf16g_v4(p.data(), gb.data(), m.data(), v.data(), model.data(), n, c)
+                     : vime_adamw_bf16g(p.data(), gb.data(), m.data(), v.data(), model.data(), n, c);
+            else
+                wide ? vime_adamw_f32g_v4(p.data(), gf.data(), m.data(), v.data(), model.data(), n, c)
+                     : vime_adamw_f32g(p.data(), gf.data(), m.data(), v.data(), model.data(), n, c);
+        });
+    }
+    emit("adamw p", p);
+    emit("adamw m", m);
+    emit("adamw v", v);
+    emit("adamw model", model);
+}
+
 int main(int argc, char** argv) {
     if (argc < 2) {
         std::fprintf(stderr, "usage: %s out.bin [filter]\n", argv[0]);
@@ -187,6 +266,12 @@ int main(int argc, char** argv) {
     lmhead_case(6, 4096, 4096, 6);
     // Rows longer than a batch of 256 x 4 vectors: whole batches, a partial one, a short chunk.
     lmhead_case(5, 12000, 5132, 3);
+    elementwise_case(4096, 3);
+    elementwise_case(1001, 2);
+    sumsq_case(3);
+    sumsq_case(64);
+    adamw_case(4100, false);
+    adamw_case(1027, true);
     std::fclose(out);
     std::fprintf(stderr, "%d cases\n", cases);
     return cases ? 0 : 1;
