@@ -72,6 +72,13 @@ pub struct BenchArgs {
     /// difference of all gradients, ||explicit - autograd|| / ||autograd||, with a verdict.
     #[arg(long)]
     pub compare_backward: bool,
+    /// Time the trainer's NaN/Inf guard of the gradients with the step, before the optimizer, as
+    /// the training loop runs it (`--check-for-nan-in-loss-and-grad`): off (bench-step's default,
+    /// the step alone), fused (the trainer's: `optim::first_nonfinite`, one fused sum of squares
+    /// for all gradients) or sum-all (the guard before 2026-12-05: candle's `sum_all` per
+    /// gradient), to measure what it costs.
+    #[arg(long, default_value = "off")]
+    pub nan_guard: String,
     /// Megatron's flag: the CUDA attention kernel, auto (cuDNN fused attention in a build with
     /// the cudnn feature, else vime's flash kernel), fused (cuDNN) or flash.
     #[arg(long, default_value = "auto")]
@@ -408,6 +415,13 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     if args.compare_backward {
         compare_backward(&mut model, &batches[0], recompute, &objective)?;
     }
+    let nan_guard: fn(&std::collections::BTreeMap<String, Tensor>) -> Result<Option<String>> =
+        match args.nan_guard.as_str() {
+            "off" => |_| Ok(None),
+            "fused" => crate::optim::first_nonfinite,
+            "sum-all" => crate::optim::first_nonfinite_by_sum_all,
+            other => bail!("--nan-guard {other:?}: expected off, fused or sum-all"),
+        };
     let tokens_per_step = tokens as f64;
     let single = vime_dist::SingleRank::default();
     let (mut fb, mut optim, mut total) = (Vec::new(), Vec::new(), Vec::new());
@@ -433,6 +447,9 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         device.synchronize()?;
         let s1 = Instant::now();
         let grads = acc.take();
+        if let Some(name) = nan_guard(&grads)? {
+            bail!("bench-step: the gradient of {name} is not finite");
+        }
         opt.step(&grads, opt_args.lr, 1.0, &dp)?;
         // Freed while the optimizer's kernels run, as the trainer's step frees them (it returns
         // without waiting for the device). Freed after the wait, the ~310 frees (0.6B) were
@@ -460,6 +477,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "recompute": args.recompute,
         "attention": if device.is_cuda() { model.kernel_config().attention_kernel() } else { "cpu" },
         "deterministic_mode": args.deterministic_mode,
+        "nan_guard": args.nan_guard,
         "fp8": args.fp8.fp8_format.as_ref().map(|f| format!("{f} {}", args.fp8.fp8_recipe)),
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,
@@ -660,6 +678,7 @@ mod tests {
             backward: "explicit".into(),
             layers: None,
             compare_backward: false,
+            nan_guard: "fused".into(),
             attention_backend: "auto".into(),
             deterministic_mode: false,
             fp8: Default::default(),

@@ -8,7 +8,8 @@
 //! tokens only, as `crate::rl` expects, and gradients flow back to the packed outputs.
 //!
 //! NaN/Inf guard (Megatron's `check_for_nan_in_loss_and_grad`): before each update the step's
-//! loss terms and every local gradient's sum are checked; the ranks agree (the flag rides on the
+//! loss terms and every local gradient's sum of squares are checked
+//! (`crate::optim::first_nonfinite`); the ranks agree (the flag rides on the
 //! metrics sum over DP, and is summed over CP and TP), and a step that is not finite anywhere is
 //! not applied (no update, no optimizer step counted, so the LR schedule does not move either):
 //! its report names what was not finite, and the loop skips or stops on it
@@ -340,7 +341,7 @@ fn optimizer_step(
     }
     let grad_bad = match loss_bad {
         Some(_) => None,
-        None => first_nonfinite_grad(&grads)?,
+        None => crate::optim::first_nonfinite(&grads)?,
     };
     if grad_bad.is_some() {
         *report.metrics.entry(nk.clone()).or_default() += 1.0;
@@ -412,24 +413,6 @@ fn take_nonfinite(m: &mut BTreeMap<String, f64>) -> Option<String> {
         }
     }
     first
-}
-
-/// The first gradient (by name) whose sum is not finite: a NaN or Inf anywhere in it shows in
-/// its sum. One device-to-host copy for all of them.
-fn first_nonfinite_grad(grads: &BTreeMap<String, Tensor>) -> Result<Option<String>> {
-    if grads.is_empty() {
-        return Ok(None);
-    }
-    let sums = grads
-        .values()
-        .map(|g| g.sum_all()?.to_dtype(candle_core::DType::F32))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let sums = Tensor::stack(&sums, 0)?.to_vec1::<f32>()?;
-    Ok(grads
-        .keys()
-        .zip(sums)
-        .find(|(_, s)| !s.is_finite())
-        .map(|(n, _)| n.clone()))
 }
 
 /// One RL optimizer step of the policy on `indices`.
