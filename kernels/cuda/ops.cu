@@ -764,18 +764,25 @@ __device__ __forceinline__ void adamw_elem(float& pi, float gi, float& mi, float
     pi = __fadd_rn(__fdiv_rn(__fmul_rn(mi, c.neg_step), denom), pi);
 }
 
+// Element i of a tensor, in place (and its bf16 model copy).
+template <typename G>
+__device__ __forceinline__ void adamw_at(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
+                                         float* __restrict__ v, bf16* __restrict__ model, size_t i,
+                                         const AdamConsts& c) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    adamw_elem(pi, load_g<G>(g, i), mi, vi, c);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (model) model[i] = __float2bfloat16(pi);
+}
+
 template <typename G>
 __device__ __forceinline__ void adamw_body(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
                                            float* __restrict__ v, bf16* __restrict__ model, size_t n,
                                            const AdamConsts c) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float pi = p[i], mi = m[i], vi = v[i];
-        adamw_elem(pi, load_g<G>(g, i), mi, vi, c);
-        p[i] = pi;
-        m[i] = mi;
-        v[i] = vi;
-        if (model) model[i] = __float2bfloat16(pi);
-    }
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        adamw_at<G>(p, g, m, v, model, i, c);
 }
 
 // Four elements a thread per iteration with 16-byte accesses of p, m, v (and an f32 g; 8 bytes of
@@ -796,32 +803,39 @@ __device__ __forceinline__ void load_g4<bf16>(const bf16* g, size_t i, float* ou
     for (int k = 0; k < 4; ++k) out[k] = __bfloat162float(h[k]);
 }
 
+// 16-byte vector i (elements 4i..4i+3) of a tensor, in place (and its bf16 model copy).
+template <typename G>
+__device__ __forceinline__ void adamw_at4(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
+                                          float* __restrict__ v, bf16* __restrict__ model, size_t i,
+                                          const AdamConsts& c) {
+    float4* p4 = reinterpret_cast<float4*>(p);
+    float4* m4 = reinterpret_cast<float4*>(m);
+    float4* v4 = reinterpret_cast<float4*>(v);
+    float4 pq = p4[i], mq = m4[i], vq = v4[i];
+    float gq[4];
+    load_g4<G>(g, i, gq);
+    adamw_elem(pq.x, gq[0], mq.x, vq.x, c);
+    adamw_elem(pq.y, gq[1], mq.y, vq.y, c);
+    adamw_elem(pq.z, gq[2], mq.z, vq.z, c);
+    adamw_elem(pq.w, gq[3], mq.w, vq.w, c);
+    p4[i] = pq;
+    m4[i] = mq;
+    v4[i] = vq;
+    if (model) {
+        uint2 o;
+        bf16* h = reinterpret_cast<bf16*>(&o);
+        h[0] = __float2bfloat16(pq.x), h[1] = __float2bfloat16(pq.y);
+        h[2] = __float2bfloat16(pq.z), h[3] = __float2bfloat16(pq.w);
+        reinterpret_cast<uint2*>(model)[i] = o;
+    }
+}
+
 template <typename G>
 __device__ __forceinline__ void adamw_body4(float* __restrict__ p, const G* __restrict__ g, float* __restrict__ m,
                                             float* __restrict__ v, bf16* __restrict__ model, size_t n,
                                             const AdamConsts c) {
-    float4* p4 = reinterpret_cast<float4*>(p);
-    float4* m4 = reinterpret_cast<float4*>(m);
-    float4* v4 = reinterpret_cast<float4*>(v);
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n / 4; i += (size_t)gridDim.x * blockDim.x) {
-        float4 pq = p4[i], mq = m4[i], vq = v4[i];
-        float gq[4];
-        load_g4<G>(g, i, gq);
-        adamw_elem(pq.x, gq[0], mq.x, vq.x, c);
-        adamw_elem(pq.y, gq[1], mq.y, vq.y, c);
-        adamw_elem(pq.z, gq[2], mq.z, vq.z, c);
-        adamw_elem(pq.w, gq[3], mq.w, vq.w, c);
-        p4[i] = pq;
-        m4[i] = mq;
-        v4[i] = vq;
-        if (model) {
-            uint2 o;
-            bf16* h = reinterpret_cast<bf16*>(&o);
-            h[0] = __float2bfloat16(pq.x), h[1] = __float2bfloat16(pq.y);
-            h[2] = __float2bfloat16(pq.z), h[3] = __float2bfloat16(pq.w);
-            reinterpret_cast<uint2*>(model)[i] = o;
-        }
-    }
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n / 4; i += (size_t)gridDim.x * blockDim.x)
+        adamw_at4<G>(p, g, m, v, model, i, c);
 }
 
 extern "C" __global__ void vime_adamw_f32g_v4(float* p, const float* g, float* m, float* v, bf16* model, size_t n,
@@ -856,37 +870,9 @@ __device__ __forceinline__ void adamw_chunk(float* __restrict__ p, const G* __re
                                             float* __restrict__ v, bf16* __restrict__ model, size_t begin,
                                             size_t end, bool vec, const AdamConsts& c) {
     if (vec) {  // begin is a multiple of ADAMW_CHUNK, end of 4 (n % 4 == 0)
-        float4* p4 = reinterpret_cast<float4*>(p);
-        float4* m4 = reinterpret_cast<float4*>(m);
-        float4* v4 = reinterpret_cast<float4*>(v);
-        for (size_t i = begin / 4 + threadIdx.x; i < end / 4; i += blockDim.x) {
-            float4 pq = p4[i], mq = m4[i], vq = v4[i];
-            float gq[4];
-            load_g4<G>(g, i, gq);
-            adamw_elem(pq.x, gq[0], mq.x, vq.x, c);
-            adamw_elem(pq.y, gq[1], mq.y, vq.y, c);
-            adamw_elem(pq.z, gq[2], mq.z, vq.z, c);
-            adamw_elem(pq.w, gq[3], mq.w, vq.w, c);
-            p4[i] = pq;
-            m4[i] = mq;
-            v4[i] = vq;
-            if (model) {
-                uint2 o;
-                bf16* h = reinterpret_cast<bf16*>(&o);
-                h[0] = __float2bfloat16(pq.x), h[1] = __float2bfloat16(pq.y);
-                h[2] = __float2bfloat16(pq.z), h[3] = __float2bfloat16(pq.w);
-                reinterpret_cast<uint2*>(model)[i] = o;
-            }
-        }
+        for (size_t i = begin / 4 + threadIdx.x; i < end / 4; i += blockDim.x) adamw_at4<G>(p, g, m, v, model, i, c);
     } else {
-        for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-            float pi = p[i], mi = m[i], vi = v[i];
-            adamw_elem(pi, load_g<G>(g, i), mi, vi, c);
-            p[i] = pi;
-            m[i] = mi;
-            v[i] = vi;
-            if (model) model[i] = __float2bfloat16(pi);
-        }
+        for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) adamw_at<G>(p, g, m, v, model, i, c);
     }
 }
 
@@ -1249,54 +1235,6 @@ __device__ __forceinline__ float head_row_rstd(const bf16* __restrict__ xr, int 
     return 1.f / sqrtf(ss / 128.f + eps);
 }
 
-// One head row (d = 128, four columns a lane): RMSNorm by weight w (bf16, rounded to bf16 as
-// vime_rmsnorm_fwd_warp does), then the rotation by the lane's angles.
-__device__ __forceinline__ void qk_norm_rope_row(const bf16* __restrict__ xr, bf16* __restrict__ yr,
-                                                 const bf16* __restrict__ w, int lane, float eps,
-                                                 const float* sn, const float* cs) {
-    float xv[4];
-    const float rstd = head_row_rstd(xr, lane, eps, xv);
-    float nv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        nv[i] = __bfloat162float(__float2bfloat16(xv[i] * rstd * __bfloat162float(w[lane + 32 * i])));
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int j = lane + 32 * i;
-        float y1, y2;
-        rope_rot(nv[i], nv[i + 2], cs[i], sn[i], &y1, &y2);
-        yr[j] = __float2bfloat16(y1);
-        yr[j + 64] = __float2bfloat16(y2);
-    }
-}
-
-extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                             const bf16* __restrict__ wq, const bf16* __restrict__ wk,
-                                             const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
-                                             bf16* __restrict__ ko, int t, int hq, int hk, float eps,
-                                             float theta, long long q_stride, long long k_stride) {
-    const int d = 128;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rows = t * (hq + hk);
-    for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
-        const int tok = r / (hq + hk), hh = r % (hq + hk);
-        const bool is_q = hh < hq;
-        const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
-                              : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
-        bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
-        float sn[2], cs[2];
-        qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
-        qk_norm_rope_row(xr, yr, is_q ? wq : wk, lane, eps, sn, cs);
-    }
-}
-
-// vime_qk_norm_rope with one warp per token instead of per head row: each lane's two rotation
-// angles (pairs j = lane and lane + 32) and their sincos are computed once per token and used for
-// all hq + hk heads (the per-row kernel computes them for every head: 40 times over at Qwen3-4B,
-// which made it slower than the separate norm and rope kernels on a training batch). The same
-// operations per element, so the same bits as vime_qk_norm_rope and as the four separate kernels.
-//
 // QK_GROUP head rows at a time: their loads are issued together, then their sums reduced, then
 // their outputs written. One row at a time left a warp a single 256-byte row in flight, about 2 TB/s
 // on the H200 at 5 blocks an SM (the 0.6B and 4B timelines); the same expressions per element in the
@@ -1342,6 +1280,34 @@ __device__ __forceinline__ void qk_norm_rope_rows(const bf16* __restrict__ x, bf
     }
 }
 
+extern "C" __global__ void vime_qk_norm_rope(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                             const bf16* __restrict__ wq, const bf16* __restrict__ wk,
+                                             const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
+                                             bf16* __restrict__ ko, int t, int hq, int hk, float eps,
+                                             float theta, long long q_stride, long long k_stride) {
+    const int d = 128;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rows = t * (hq + hk);
+    for (int r = blockIdx.x * RMSW_WARPS + warp; r < rows; r += gridDim.x * RMSW_WARPS) {
+        const int tok = r / (hq + hk), hh = r % (hq + hk);
+        const bool is_q = hh < hq;
+        const bf16* xr = is_q ? q + (size_t)tok * q_stride + (size_t)hh * d
+                              : k + (size_t)tok * k_stride + (size_t)(hh - hq) * d;
+        bf16* yr = is_q ? qo + ((size_t)tok * hq + hh) * d : ko + ((size_t)tok * hk + (hh - hq)) * d;
+        float sn[2], cs[2], wv[4];
+        qk_rope_angles((float)pos[tok], lane, theta, sn, cs);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wv[i] = __bfloat162float((is_q ? wq : wk)[lane + 32 * i]);
+        qk_norm_rope_rows(xr, yr, 1, wv, lane, eps, sn, cs);
+    }
+}
+
+// vime_qk_norm_rope with one warp per token instead of per head row: each lane's two rotation
+// angles (pairs j = lane and lane + 32) and their sincos are computed once per token and used for
+// all hq + hk heads (the per-row kernel computes them for every head: 40 times over at Qwen3-4B,
+// which made it slower than the separate norm and rope kernels on a training batch). The same
+// operations per element, so the same bits as vime_qk_norm_rope and as the four separate kernels.
+//
 extern "C" __global__ void vime_qk_norm_rope_tok(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                  const bf16* __restrict__ wq, const bf16* __restrict__ wk,
                                                  const unsigned int* __restrict__ pos, bf16* __restrict__ qo,
