@@ -1787,8 +1787,8 @@ pub fn adamw_update_multi(ts: &[AdamwTensor<'_>], c: AdamConsts, table: &mut Ada
         return Ok(());
     }
     let nseg = i32_of("adamw_update_multi", "tensors", segs.len() / 8)?;
-    let table = dev.cuda_stream().clone_htod(&segs).w()?;
-    let tp = slice_addr(&table, &dev);
+    let segs_dev = dev.cuda_stream().clone_htod(&segs).w()?;
+    let tp = slice_addr(&segs_dev, &dev);
     let grid = (chunks as usize).min(ADAMW_BLOCKS) as u32;
     let f = ops_fn(&dev, "vime_adamw_multi")?;
     launch!(dev, f, cfg(grid, 256), [&tp, &nseg, &chunks, &c]);
@@ -2061,10 +2061,7 @@ pub(crate) fn widen_add_multi(items: &[(Tensor, Option<Tensor>)]) -> Result<Vec<
     let Some((first, _)) = items.first() else {
         return Ok(Vec::new());
     };
-    let dev = match first.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("widen_into_sums: tensors must be on a CUDA device"),
-    };
+    let dev = cuda_dev(first, "widen_into_sums")?;
     let mut segs: Vec<u64> = Vec::with_capacity(4 * items.len());
     let mut outs = Vec::with_capacity(items.len());
     for (g, sum) in items {
@@ -2110,10 +2107,7 @@ pub fn sum_squares(ts: &[&Tensor]) -> Result<Vec<f64>> {
     let Some(first) = ts.first() else {
         return Ok(Vec::new());
     };
-    let dev = match first.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("sum_squares: tensors must be on a CUDA device"),
-    };
+    let dev = cuda_dev(first, "sum_squares")?;
     // One segment per non-empty tensor, each with the grid its own launch had (bit-equal results);
     // two launches for all of them.
     let mut segs: Vec<u64> = Vec::with_capacity(4 * ts.len());

@@ -577,7 +577,7 @@ fn tp_shards_step_like_the_whole_model() -> Result<()> {
                 .map(|(n, t)| Ok((n.clone(), table.local_shard(&n, &t)?)))
                 .collect::<Result<_>>()?;
             let mut opt = DistributedAdamW::with_layout(&local, table.clone(), &a, dpg)?;
-            let stats = opt.step_stats_tp(&g, LR, a.clip_grad, dpg, tpg)?;
+            let stats = opt.step_stats_tp(&g, None, LR, a.clip_grad, dpg, tpg)?;
             let w: BTreeMap<String, Tensor> = local
                 .iter()
                 .map(|(n, v)| Ok((n.clone(), table.gather_global(n, v.as_tensor(), tpg)?)))

@@ -571,9 +571,6 @@ impl Qwen3 {
         }
     }
 
-    /// Casts the gradients that came out in a half dtype (the norms' weights: their kernels round
-    /// to the model's dtype, as Megatron's do) to the dtype of the sums: the same values the
-    /// caller's accumulator makes of them, in the order they were queued.
     /// The running sums of the parameters whose gradients the explicit backward makes in bf16
     /// (the norms' weights, biases), out of `params`: [`Self::widen_to_sums`] adds this
     /// micro-batch's gradients to them in one launch at the end of the backward, where `put`

@@ -66,26 +66,31 @@ fn sum_sq(g: &Tensor) -> Result<f64> {
     Ok(g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?)
 }
 
-/// The first gradient (by name) with a NaN or an Inf in it, or `None`. Each tensor's sum of
-/// squares in f64, fused on CUDA (`vime_kernels::cuda::sum_squares`: two launches and one copy
-/// to the host for all of them, the gradient norm's kernel); the square of a finite f32 or bf16
-/// value cannot overflow f64, so a non-finite sum means a non-finite element. (The guard used to
-/// call candle's `sum_all` per tensor, one block a tensor, about 2.4 GB of reads at Qwen3-0.6B
-/// and 16 GB at 4B through a single SM each step; a finite sum that overflowed f32 also read as
-/// non-finite there.)
-pub fn first_nonfinite(grads: &BTreeMap<String, Tensor>) -> Result<Option<String>> {
-    let sums = match fused_sum_squares(grads)? {
-        Some(v) => v,
+/// Each gradient's sum of squares in f64, in `grads`' order: fused on CUDA
+/// (`vime_kernels::cuda::sum_squares`: two launches and one copy to the host for all of them), one
+/// tensor at a time elsewhere. The trainer's step computes them once and uses them twice: for the
+/// NaN/Inf guard ([`first_nonfinite`]) and for the gradient norm ([`grad_norm_of_squares`]).
+pub fn grad_sum_squares(grads: &BTreeMap<String, Tensor>) -> Result<Vec<f64>> {
+    match fused_sum_squares(grads)? {
+        Some(v) => Ok(v),
         None => grads
             .iter()
-            .map(|(name, g)| sum_sq(g).with_context(|| format!("checking the gradient of {name} for NaN/Inf")))
-            .collect::<Result<Vec<_>>>()?,
-    };
-    Ok(grads
+            .map(|(name, g)| sum_sq(g).with_context(|| format!("gradient norm of {name} {:?}", g.dims())))
+            .collect(),
+    }
+}
+
+/// The first gradient (by name) with a NaN or an Inf in it, or `None`, from `squares`
+/// ([`grad_sum_squares`] of `grads`): the square of a finite f32 or bf16 value cannot overflow
+/// f64, so a non-finite sum means a non-finite element. (The guard used to call candle's
+/// `sum_all` per tensor, one block a tensor, about 2.4 GB of reads at Qwen3-0.6B and 16 GB at 4B
+/// through a single SM each step; a finite sum that overflowed f32 also read as non-finite there.)
+pub fn first_nonfinite(grads: &BTreeMap<String, Tensor>, squares: &[f64]) -> Option<String> {
+    grads
         .keys()
-        .zip(sums)
+        .zip(squares)
         .find(|(_, s)| !s.is_finite())
-        .map(|(n, _)| n.clone()))
+        .map(|(n, _)| n.clone())
 }
 
 /// The guard as it was before [`first_nonfinite`]: candle's `sum_all` of each gradient, stacked
@@ -110,24 +115,30 @@ pub fn first_nonfinite_by_sum_all(grads: &BTreeMap<String, Tensor>) -> Result<Op
 /// The global L2 norm over all gradients (any float dtype). A non-finite norm is a
 /// [`NonFiniteGradNorm`] error.
 pub fn global_grad_norm(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
-    let mut total = 0f64;
-    let mut bad = Vec::new();
-    let fused = fused_sum_squares(grads)?;
-    for (i, (name, g)) in grads.iter().enumerate() {
-        let s = match &fused {
-            Some(v) => v[i],
-            None => sum_sq(g).with_context(|| format!("gradient norm of {name} {:?}", g.dims()))?,
-        };
-        if !s.is_finite() {
-            bad.push(name.clone());
-        }
-        total += s;
+    grad_norm_of_squares(grads, &grad_sum_squares(grads)?)
+}
+
+/// [`global_grad_norm`] from each gradient's sum of squares (`squares`: [`grad_sum_squares`] of
+/// `grads`, in its order).
+pub fn grad_norm_of_squares(grads: &BTreeMap<String, Tensor>, squares: &[f64]) -> Result<f64> {
+    if squares.len() != grads.len() {
+        bail!("{} sums of squares for {} gradients", squares.len(), grads.len());
     }
-    let norm = total.sqrt();
+    let norm = squares.iter().fold(0f64, |t, s| t + s).sqrt();
     if !norm.is_finite() {
-        return Err(NonFiniteGradNorm { norm, params: bad }.into());
+        let params = nonfinite_names(grads, squares);
+        return Err(NonFiniteGradNorm { norm, params }.into());
     }
     Ok(norm)
+}
+
+fn nonfinite_names(grads: &BTreeMap<String, Tensor>, squares: &[f64]) -> Vec<String> {
+    grads
+        .keys()
+        .zip(squares)
+        .filter(|(_, s)| !s.is_finite())
+        .map(|(n, _)| n.clone())
+        .collect()
 }
 
 /// The clipping coefficient `max_norm / (norm + 1e-6)` when it is below 1 (and `max_norm > 0`);
@@ -247,6 +258,10 @@ mod tests {
 
     fn t(v: &[f32], dtype: DType) -> Tensor {
         Tensor::new(v, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    fn first_nonfinite(g: &BTreeMap<String, Tensor>) -> Result<Option<String>> {
+        Ok(super::first_nonfinite(g, &grad_sum_squares(g)?))
     }
 
     #[test]

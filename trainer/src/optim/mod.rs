@@ -36,8 +36,8 @@ mod zero;
 
 pub use adamw::{megatron_weight_decay, AdamW, StepStats};
 pub use grads::{
-    clip_coefficient, clip_grad_norm, first_nonfinite, first_nonfinite_by_sum_all, global_grad_norm, GradAccumulator,
-    NonFiniteGradNorm,
+    clip_coefficient, clip_grad_norm, first_nonfinite, first_nonfinite_by_sum_all, global_grad_norm,
+    grad_norm_of_squares, grad_sum_squares, GradAccumulator, NonFiniteGradNorm,
 };
 pub use schedule::{LrDecayStyle, LrScheduler, WsdDecayStyle};
 pub use zero::{qwen3_layout, replicated_layout, DistributedAdamW, ZeroStepStats, SHARD_ALIGN};

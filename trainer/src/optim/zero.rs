@@ -30,7 +30,10 @@
 //!   DP group only (a TP > 1 run must still all-reduce the squared norm over the model-parallel
 //!   group, counting replicated parameters once; not needed until TP lands).
 use super::adamw::{self, check_state_map, StepConsts, STATE_PREFIXES};
-use super::{clip_coefficient, global_grad_norm, megatron_weight_decay, AdamW, NonFiniteGradNorm, OptimizerArgs};
+use super::{
+    clip_coefficient, global_grad_norm, grad_norm_of_squares, megatron_weight_decay, AdamW, NonFiniteGradNorm,
+    OptimizerArgs,
+};
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::{BTreeMap, BTreeSet};
@@ -311,16 +314,20 @@ impl DistributedAdamW {
         clip_grad: f64,
         dp: &dyn Collectives,
     ) -> Result<ZeroStepStats> {
-        self.step_stats_tp(grads, lr, clip_grad, dp, &vime_dist::SingleRank::default())
+        self.step_stats_tp(grads, None, lr, clip_grad, dp, &vime_dist::SingleRank::default())
     }
 
     /// [`Self::step_stats`] of a tensor-parallel shard (`grads` of this TP rank's shards, the
     /// layout built for its TP place): the global norm sums the squares of the TP-split
     /// parameters over `tp` and counts the replicated ones once (they are equal on every TP
-    /// rank), so every rank clips by the norm of the whole model's gradient.
+    /// rank), so every rank clips by the norm of the whole model's gradient. `squares`: each
+    /// gradient's sum of squares (`grad_sum_squares` of `grads`) where the caller has them
+    /// already (the trainer's NaN/Inf guard), used for the norm of an unsharded optimizer at TP 1
+    /// instead of a second pass over the gradients; `None` computes them.
     pub fn step_stats_tp(
         &mut self,
         grads: &BTreeMap<String, Tensor>,
+        squares: Option<&[f64]>,
         lr: f64,
         clip_grad: f64,
         dp: &dyn Collectives,
@@ -341,10 +348,10 @@ impl DistributedAdamW {
         }
         let segs = match &mut self.state {
             State::Whole(adamw) => {
-                let grad_norm = if tp.size() > 1 {
-                    tp_grad_norm(grads, &self.layout, tp)?
-                } else {
-                    global_grad_norm(grads)?
+                let grad_norm = match squares {
+                    _ if tp.size() > 1 => tp_grad_norm(grads, &self.layout, tp)?,
+                    Some(sq) => grad_norm_of_squares(grads, sq)?,
+                    None => global_grad_norm(grads)?,
                 };
                 let grad_scale = clip_coefficient(grad_norm, clip_grad);
                 let s = adamw.step_scaled(grads, lr, grad_scale)?;

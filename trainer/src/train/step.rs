@@ -9,7 +9,7 @@
 //!
 //! NaN/Inf guard (Megatron's `check_for_nan_in_loss_and_grad`): before each update the step's
 //! loss terms and every local gradient's sum of squares are checked
-//! (`crate::optim::first_nonfinite`); the ranks agree (the flag rides on the
+//! (`crate::optim::first_nonfinite`, the same sums the optimizer's norm then uses); the ranks agree (the flag rides on the
 //! metrics sum over DP, and is summed over CP and TP), and a step that is not finite anywhere is
 //! not applied (no update, no optimizer step counted, so the LR schedule does not move either):
 //! its report names what was not finite, and the loop skips or stops on it
@@ -339,10 +339,15 @@ fn optimizer_step(
         }
         super::parallel::sum_metrics(cfg.cp, &mut report.metrics)?;
     }
-    let grad_bad = match loss_bad {
+    // Each gradient's sum of squares, once: the guard reads them here and the optimizer's norm
+    // below.
+    let squares = match loss_bad {
         Some(_) => None,
-        None => crate::optim::first_nonfinite(&grads)?,
+        None => Some(crate::optim::grad_sum_squares(&grads)?),
     };
+    let grad_bad = squares
+        .as_deref()
+        .and_then(|sq| crate::optim::first_nonfinite(&grads, sq));
     if grad_bad.is_some() {
         *report.metrics.entry(nk.clone()).or_default() += 1.0;
     }
@@ -398,7 +403,7 @@ fn optimizer_step(
     }
     // Reduce-scatter, global norm, clipping folded into the update, all-gather.
     report.grad_norm = opt
-        .step_stats_tp(&grads, report.lr, cfg.clip_grad, cfg.dp, cfg.tp)?
+        .step_stats_tp(&grads, squares.as_deref(), report.lr, cfg.clip_grad, cfg.dp, cfg.tp)?
         .grad_norm;
     Ok(report)
 }
