@@ -382,30 +382,40 @@ fn check_adamw(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Resul
     Ok(())
 }
 
+/// The AdamW checks' hyper-parameters: (lr, weight decay, beta1, beta2, eps).
+const ADAMW_HP: (f64, f64, f64, f64, f64) = (3e-4, 0.1, 0.9, 0.98, 1e-8);
+
+/// The fused kernel's constants of step `t` (1-based) under [`ADAMW_HP`]; step 2 folds a clipping
+/// coefficient of 0.37 in (the CPU side scales the gradient first).
+fn adam_consts_at(t: u64, decay: bool) -> vime_kernels::cuda::AdamConsts {
+    let (lr, wd, b1, b2, eps) = ADAMW_HP;
+    let bc1 = 1.0 - b1.powf(t as f64);
+    let bc2 = (1.0 - b2.powf(t as f64)).sqrt();
+    vime_kernels::cuda::AdamConsts {
+        keep: (1.0 - lr * wd) as f32,
+        one_m_b1: (1.0 - b1) as f32,
+        b2: b2 as f32,
+        one_m_b2: (1.0 - b2) as f32,
+        inv_bc2: (1.0 / bc2) as f32,
+        eps: eps as f32,
+        neg_step: (-(lr / bc1)) as f32,
+        decay: decay as i32,
+        grad_scale: 0.37,
+        scale: (t == 2) as i32,
+    }
+}
+
 fn check_adamw_n(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>, n: usize) -> Result<()> {
     let f32t = |rng: &mut Rng, s: f64| rng.randn(&[n], s, DType::F32, &Device::Cpu);
     let (mut p, mut m) = (f32t(rng, 1.0)?, f32t(rng, 1e-3)?);
     let mut v = f32t(rng, 1e-3)?.abs()?;
     let (pg, mg, vg) = (p.to_device(gpu)?, m.to_device(gpu)?, v.to_device(gpu)?);
     let model = pg.to_dtype(DType::BF16)?;
-    let (lr, wd, b1, b2, eps): (f64, f64, f64, f64, f64) = (3e-4, 0.1, 0.9, 0.98, 1e-8);
+    let (lr, wd, b1, b2, eps) = ADAMW_HP;
     for t in 1..=3u64 {
         let g = f32t(rng, 1e-2)?;
-        let bc1 = 1.0 - b1.powf(t as f64);
-        let bc2 = (1.0 - b2.powf(t as f64)).sqrt();
-        let c = vime_kernels::cuda::AdamConsts {
-            keep: (1.0 - lr * wd) as f32,
-            one_m_b1: (1.0 - b1) as f32,
-            b2: b2 as f32,
-            one_m_b2: (1.0 - b2) as f32,
-            inv_bc2: (1.0 / bc2) as f32,
-            eps: eps as f32,
-            neg_step: (-(lr / bc1)) as f32,
-            decay: 1,
-            // Step 2 folds a clipping coefficient in; the CPU side scales the gradient first.
-            grad_scale: 0.37,
-            scale: (t == 2) as i32,
-        };
+        // Step 2 folds a clipping coefficient in; the CPU side scales the gradient first.
+        let c = adam_consts_at(t, true);
         vime_kernels::cuda::adamw_update(&pg, &g.to_device(gpu)?, &mg, &vg, Some(&model), c)?;
         let g = if t == 2 { g.affine(0.37f32 as f64, 0.0)? } else { g };
         (p, m, v) = adamw_cpu(&p, &g, &m, &v, lr, wd, b1, b2, eps, t)?;
@@ -440,7 +450,7 @@ fn check_adamw_n(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>, n: usi
 /// one, lengths the 16-byte path takes and ones it does not, a view at an odd offset (scalar path),
 /// f32 and bf16 gradients, with and without decay and a model copy.
 fn check_adamw_multi(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
-    use vime_kernels::cuda::{adamw_update, adamw_update_multi, AdamConsts, AdamwTensor};
+    use vime_kernels::cuda::{adamw_update, adamw_update_multi, AdamwTensor};
     // (length, bf16 gradient, decay, model copy, offset into a larger buffer)
     let cases = [
         (1usize << 20, false, true, true, 0usize),
@@ -485,7 +495,6 @@ fn check_adamw_multi(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
     multi[6].p = Tensor::cat(&[&f32t(rng, off6, 1.0)?, &multi[6].p], 0)?.narrow(0, off6, n6)?;
     multi[6].m = Tensor::cat(&[&f32t(rng, off6, 1.0)?, &multi[6].m], 0)?.narrow(0, off6, n6)?;
     multi[6].v = Tensor::cat(&[&f32t(rng, off6, 1.0)?, &multi[6].v], 0)?.narrow(0, off6, n6)?;
-    let (lr, wd, b1, b2, eps): (f64, f64, f64, f64, f64) = (3e-4, 0.1, 0.9, 0.98, 1e-8);
     // Kept across the steps, as the optimizer keeps it; before step 3 one tensor's moments are
     // replaced by copies (new buffers, as a loaded state brings), which its row must notice.
     let mut table = vime_kernels::cuda::AdamwTable::default();
@@ -494,20 +503,7 @@ fn check_adamw_multi(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
             multi[0].m = multi[0].m.copy()?;
             multi[0].v = multi[0].v.copy()?;
         }
-        let bc1 = 1.0 - b1.powf(t as f64);
-        let bc2 = (1.0 - b2.powf(t as f64)).sqrt();
-        let consts = |decay: bool| AdamConsts {
-            keep: (1.0 - lr * wd) as f32,
-            one_m_b1: (1.0 - b1) as f32,
-            b2: b2 as f32,
-            one_m_b2: (1.0 - b2) as f32,
-            inv_bc2: (1.0 / bc2) as f32,
-            eps: eps as f32,
-            neg_step: (-(lr / bc1)) as f32,
-            decay: decay as i32,
-            grad_scale: 0.37,
-            scale: (t == 2) as i32,
-        };
+        let consts = |decay: bool| adam_consts_at(t, decay);
         let grads: Vec<Tensor> = cases
             .iter()
             .map(|&(n, bf, ..)| {
