@@ -4,17 +4,13 @@
 // a misaligned view (the 1-element path), decay on some tensors, a model copy on some. Prints
 // "ADAMW MULTI: PASS" or what differs. kernels/sim/compare.sh runs it where ops.cu has the kernel.
 #include "simt.h"
+#include "testing.h"
 #include "../cuda/ops.cu"
 
 #include <string>
 
-static uint64_t st = 0x2545F4914F6CDD1Dull;
-static float rnd() {
-    st ^= st << 13;
-    st ^= st >> 7;
-    st ^= st << 17;
-    return ((float)(st >> 40) / (float)(1ull << 24) - 0.5f) * 2.f;
-}
+static sim::Rng rng{0x2545F4914F6CDD1Dull};
+static float rnd() { return rng.sym(1.f); }
 
 struct T {
     size_t n;

@@ -6,19 +6,15 @@
 //   g++ -std=c++17 -O1 -ffp-contract=off -Iinclude -I. -DOPS_CU='"path/ops.cu"' check_ops.cpp
 //   ./a.out out.bin [case-name filter]
 #include "simt.h"
+#include "testing.h"
 #include OPS_CU
 
 #include <string>
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static sim::Rng rng{0x9E3779B97F4A7C15ull};
 static float rnd() {  // roughly N(0, 1): the sum of four uniforms, centred
     float s = 0.f;
-    for (int i = 0; i < 4; ++i) {
-        rng_state ^= rng_state << 13;
-        rng_state ^= rng_state >> 7;
-        rng_state ^= rng_state << 17;
-        s += (float)(rng_state >> 40) / (float)(1ull << 24);
-    }
+    for (int i = 0; i < 4; ++i) s += rng.uniform();
     return (s - 2.f) * 1.7f;
 }
 static std::vector<bf16> bf(size_t n, float scale = 1.f, float shift = 0.f) {

@@ -3,15 +3,11 @@
 // -0.0 without a sum (stays -0.0), NaN, an empty tensor, more tensors than blocks. Prints
 // "WIDEN ADD MULTI: PASS" or what differs. kernels/sim/compare.sh runs it where ops.cu has it.
 #include "simt.h"
+#include "testing.h"
 #include "../cuda/ops.cu"
 
-static uint64_t st = 0x853c49e6748fea9bull;
-static float rnd() {
-    st ^= st << 13;
-    st ^= st >> 7;
-    st ^= st << 17;
-    return ((float)(st >> 40) / (float)(1ull << 24) - 0.5f) * 8.f;
-}
+static sim::Rng rng{0x853c49e6748fea9bull};
+static float rnd() { return rng.sym(4.f); }
 
 int main() {
     const size_t sizes[] = {128, 1024, 0, 300, 2560, 1, 128};

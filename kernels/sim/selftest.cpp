@@ -3,6 +3,7 @@
 // bit for bit (vime_qk_norm_rope per head row and per token) are equal here too; RMSNorm matches a
 // host reference. Prints "SIMT SELFTEST: PASS" or the failures.
 #include "simt.h"
+#include "testing.h"
 #include "../cuda/ops.cu"
 
 #include <sys/wait.h>
@@ -18,13 +19,8 @@ static void check(bool ok, const std::string& what) {
     }
 }
 
-static uint64_t st = 88172645463325252ull;
-static float rnd() {
-    st ^= st << 13;
-    st ^= st >> 7;
-    st ^= st << 17;
-    return ((float)(st >> 40) / (float)(1ull << 24) - 0.5f) * 4.f;
-}
+static sim::Rng rng{88172645463325252ull};
+static float rnd() { return rng.sym(2.f); }
 
 int main() {
     // Shuffles: xor, down (lanes past the end keep their own value), broadcast.
