@@ -19,7 +19,13 @@
 #
 #   MODELS="qwen3-0.6b qwen3-4b" scripts/gpu/train_vs_bench.sh [OUT_DIR]
 #
-# Ends with one `TRAIN_VS_BENCH <model> VERDICT: ...: PASS|FAIL` a model: PASS when the trainer's
+# MODE=grpo trains GRPO instead (the policy loss, its metrics, the old log-probs): the built-in
+# engine samples 2 responses for each of ROWS/2 prompts up to SEQ tokens (a random-init model
+# rarely samples EOS, so nearly every sample is SEQ long; rewards are 0, so are the advantages,
+# which does not change the step's work). VIME_XZ names another packed binary (default
+# gpu-carry/vime-train.xz), for comparing two builds.
+#
+# Ends with one `TRAIN_VS_BENCH <mode> <model> VERDICT: ...: PASS|FAIL` a model: PASS when the trainer's
 # tokens/s is at least 0.97x bench-step's with the same guard.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/train_vs_bench_out}}
@@ -28,14 +34,17 @@ MODELS=${MODELS:-qwen3-0.6b qwen3-4b}
 SEQ=${SEQ:-4096}
 ROWS=${ROWS:-16}
 ROLLOUTS=${ROLLOUTS:-3}
+MODE=${MODE:-sft}
+VIME_XZ=${VIME_XZ:-gpu-carry/vime-train.xz}
 source gpu-carry/device-env.sh >/dev/null 2>&1
-BIN=/tmp/vime-train
-[ -x "$BIN" ] || { xz -dc gpu-carry/vime-train.xz > "$BIN" && chmod +x "$BIN"; }
+BIN=$(mktemp /tmp/vime-train-XXXX)
+xz -dc "$VIME_XZ" > "$BIN" && chmod +x "$BIN"
 LOG="$OUT/train_vs_bench.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: MODELS=\"$MODELS\" SEQ=$SEQ ROWS=$ROWS ROLLOUTS=$ROLLOUTS scripts/gpu/train_vs_bench.sh"
+  echo "command: MODE=$MODE MODELS=\"$MODELS\" SEQ=$SEQ ROWS=$ROWS ROLLOUTS=$ROLLOUTS VIME_XZ=$VIME_XZ scripts/gpu/train_vs_bench.sh"
+  echo "binary: $VIME_XZ ($(sha256sum < "$VIME_XZ" | cut -c1-12))"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee "$LOG"
 W=$(mktemp -d)
@@ -64,12 +73,19 @@ with open(out, "w") as f:
         assert len(enc(label)) == n_label, "label tokenization is not one token a word"
         f.write(json.dumps({"prompt": prompt, "label": label}) + "\n")
 print(f"data: {rows} rows, prompt {p} + label {n_label} + EOS = {seq} tokens each ({len(single)} words)")
+open(out + ".prompt_len", "w").write(str(p))
 EOF
 for model in $MODELS; do
   echo "== $model" | tee -a "$LOG"
   python3 scripts/gpu/random_qwen3.py "$model" "$W/$model" tests/assets/qwen3-tokenizer 2>&1 | tail -1 | tee -a "$LOG"
-  timeout 400 "$BIN" --hf-checkpoint "$W/$model" --loss-type sft --prompt-data "$W/sft.jsonl" \
-    --input-key prompt --label-key label --rollout-batch-size "$ROWS" --global-batch-size 2 --num-rollout "$ROLLOUTS" \
+  if [ "$MODE" = grpo ]; then
+    task=(--advantage-estimator grpo --n-samples-per-prompt 2 --rollout-batch-size $(( ROWS / 2 ))
+          --rollout-max-response-len $(( SEQ - $(cat "$W/sft.jsonl.prompt_len") )) --rm-type exact_match)
+  else
+    task=(--loss-type sft --rollout-batch-size "$ROWS")
+  fi
+  timeout 400 "$BIN" --hf-checkpoint "$W/$model" "${task[@]}" --prompt-data "$W/sft.jsonl" \
+    --input-key prompt --label-key label --global-batch-size 2 --num-rollout "$ROLLOUTS" \
     --use-dynamic-batch-size --max-tokens-per-gpu $(( 2 * SEQ )) --lr 1e-6 --clip-grad 1.0 \
     --dtype bf16 --device cuda --no-progress --log-dir "$W/log-$model" > "$OUT/train-$model.txt" 2>&1
   rc=$?
@@ -81,7 +97,11 @@ r=[x for x in rows if "perf/train_tokens_per_s" in x]
 print("%.0f %.3f %d" % (r[-1]["perf/train_tokens_per_s"], r[-1]["perf/train_time"], len(r)) if r else "0 0 0")' \
     "$W/log-$model/metrics.jsonl" 2>/dev/null || echo "0 0 0")
   read -r tps ttime nroll <<< "$train"
-  echo "trainer rc $rc: $nroll rollouts; last: perf/train_tokens_per_s $tps, perf/train_time $ttime s for $(( ROWS * SEQ )) tokens" | tee -a "$LOG"
+  echo "trainer ($MODE) rc $rc: $nroll rollouts; last: perf/train_tokens_per_s $tps, perf/train_time $ttime s" | tee -a "$LOG"
+  python3 -c 'import json,sys
+r=[json.loads(l) for l in open(sys.argv[1])][-1]
+print("  last rollout:", {k: round(v, 4) for k, v in r.items() if k.startswith(("perf/", "rollout/response_len", "train/micro"))})' \
+    "$W/log-$model/metrics.jsonl" 2>/dev/null | cut -c1-600 | tee -a "$LOG"
   declare -A bench=()
   for g in fused off; do
     line=$(timeout 200 "$BIN" bench-step --model "$model" --seq-len "$SEQ" --max-tokens-per-gpu $(( 2 * SEQ )) \
@@ -94,9 +114,9 @@ print("%.0f %.3f %d" % (r[-1]["perf/train_tokens_per_s"], r[-1]["perf/train_time
 t, b = float(sys.argv[1]), float(sys.argv[2] or 0)
 r = t / b if b else 0
 print("trainer %.0f tokens/s, bench-step (same guard) %.0f: %.3fx (goal >= 0.97x): %s" % (t, b, r, "PASS" if r >= 0.97 else "FAIL"))' "$tps" "$b")
-  echo "TRAIN_VS_BENCH $model VERDICT: $verdict" | tee -a "$LOG"
+  echo "TRAIN_VS_BENCH $MODE $model VERDICT: $verdict" | tee -a "$LOG"
   [[ $verdict == *PASS ]] || status=1
   rm -rf "$W/$model"
 done
-rm -rf "$W"
+rm -rf "$W" "$BIN"
 exit "$status"

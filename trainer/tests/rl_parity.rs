@@ -240,7 +240,15 @@ fn policy_losses_match_slime() {
                 &grad(&entropy),
                 get(t, &what("grad.entropy")),
             );
-            check_metrics(&mut failures, case, *dtype, *tol, t, &out.metrics, reducer.num_tokens());
+            check_metrics(
+                &mut failures,
+                case,
+                *dtype,
+                *tol,
+                t,
+                &out.read_metrics().unwrap(),
+                reducer.num_tokens(),
+            );
             ran += 1;
         }
     }
@@ -288,7 +296,15 @@ fn value_losses_match_slime() {
                 &g,
                 get(t, &what("grad.values")),
             );
-            check_metrics(&mut failures, case, *dtype, *tol, t, &out.metrics, reducer.num_tokens());
+            check_metrics(
+                &mut failures,
+                case,
+                *dtype,
+                *tol,
+                t,
+                &out.read_metrics().unwrap(),
+                reducer.num_tokens(),
+            );
             ran += 1;
         }
     }

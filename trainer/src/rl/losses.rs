@@ -162,14 +162,42 @@ impl LossReducer {
 }
 
 /// A scalar loss (tracked) and slime's metrics for it (reducer sums, see [`LossReducer`]).
+///
+/// The metrics stay on the device as detached f64 scalars until [`LossOutput::read_metrics`] (or
+/// [`read_scalars`] over several micro-batches) copies them to the host in one transfer: reading
+/// each one as it is computed would drain the GPU between the forward and the backward of every
+/// micro-batch, once a metric.
 #[derive(Debug, Clone)]
 pub struct LossOutput {
     pub loss: Tensor,
-    pub metrics: BTreeMap<String, f64>,
+    pub metrics: BTreeMap<String, Tensor>,
 }
 
-fn scalar(t: &Tensor) -> Result<f64> {
-    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+impl LossOutput {
+    /// The metrics' values (one device-to-host copy).
+    pub fn read_metrics(&self) -> Result<BTreeMap<String, f64>> {
+        let names: Vec<&String> = self.metrics.keys().collect();
+        let values = read_scalars(&self.metrics.values().cloned().collect::<Vec<_>>())?;
+        Ok(names.into_iter().cloned().zip(values).collect())
+    }
+}
+
+/// A metric as a detached f64 scalar on the tensor's device (f32 -> f64 is exact, so the value
+/// read later is the one an immediate `to_scalar` would have given).
+fn scalar(t: &Tensor) -> Result<Tensor> {
+    Ok(t.detach().to_dtype(DType::F64)?.reshape(())?)
+}
+
+/// Reads scalar tensors (any dtype, one device) to the host as f64 in one device-to-host copy.
+pub fn read_scalars(ts: &[Tensor]) -> Result<Vec<f64>> {
+    if ts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let flat = ts
+        .iter()
+        .map(|t| Ok(t.to_dtype(DType::F64)?.reshape(1)?))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&flat, 0)?.to_vec1::<f64>()?)
 }
 
 /// slime `compute_approx_kl`, with `d = log_probs - log_probs_base`:

@@ -40,8 +40,8 @@ pub use advantages::{
     AdvantageOutputs, NoAllReduce, SumAllReduce,
 };
 pub use losses::{
-    approx_kl, cispo_loss, gspo_kl, policy_loss, ppo_clip_loss, tis_weights, value_loss, LossOutput, LossReducer,
-    PolicyLossInputs, TisWeights, ValueLossInputs,
+    approx_kl, cispo_loss, gspo_kl, policy_loss, ppo_clip_loss, read_scalars, tis_weights, value_loss, LossOutput,
+    LossReducer, PolicyLossInputs, TisWeights, ValueLossInputs,
 };
 
 use anyhow::{bail, Result};

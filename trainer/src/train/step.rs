@@ -17,7 +17,7 @@
 use crate::batching::{MicroBatch, MicroBatchPolicy, SampleView};
 use crate::critic::Critic;
 use crate::optim::{DistributedAdamW, GradAccumulator, LrScheduler};
-use crate::rl::{policy_loss, value_loss, LossReducer, PolicyLossInputs, RlArgs, ValueLossInputs};
+use crate::rl::{policy_loss, read_scalars, value_loss, LossReducer, PolicyLossInputs, RlArgs, ValueLossInputs};
 use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use std::collections::BTreeMap;
@@ -250,9 +250,37 @@ impl StepConfig<'_> {
     }
 }
 
-fn accumulate(total: &mut BTreeMap<String, f64>, metrics: &BTreeMap<String, f64>, scale: f64) {
-    for (k, v) in metrics {
-        *total.entry(k.clone()).or_insert(0.0) += v * scale;
+/// The loss metrics of an optimizer step's micro-batches, kept on the device (scalar tensors,
+/// each with its factor) and read in one copy once every micro-batch's backward is queued: read as
+/// they came, they made the host wait for each micro-batch's forward, once a metric, and the GPU
+/// idle until the backward was launched.
+#[derive(Default)]
+pub struct PendingMetrics {
+    keys: Vec<(String, f64)>,
+    values: Vec<Tensor>,
+}
+
+impl PendingMetrics {
+    /// Adds `factor * metric` for each metric (summed with the same keys' other entries on read).
+    pub fn add(&mut self, metrics: BTreeMap<String, Tensor>, factor: f64) {
+        for (k, v) in metrics {
+            self.keys.push((k, factor));
+            self.values.push(v);
+        }
+    }
+
+    pub fn append(&mut self, other: PendingMetrics) {
+        self.keys.extend(other.keys);
+        self.values.extend(other.values);
+    }
+
+    /// Sums the metrics into `total`, in the order they were added.
+    pub fn read_into(self, total: &mut BTreeMap<String, f64>) -> Result<()> {
+        let values = read_scalars(&self.values)?;
+        for ((k, factor), v) in self.keys.into_iter().zip(values) {
+            *total.entry(k).or_insert(0.0) += v * factor;
+        }
+        Ok(())
     }
 }
 
@@ -274,7 +302,7 @@ fn optimizer_step(
         &LossTokens,
         f64,
         BTreeMap<String, Tensor>,
-    ) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, f64>)>,
+    ) -> Result<(BTreeMap<String, Tensor>, PendingMetrics)>,
     device: &Device,
 ) -> Result<StepReport> {
     let norm = normalizer(samples, indices, cfg.rl.calculate_per_token_loss);
@@ -293,6 +321,7 @@ fn optimizer_step(
     let lengths: Vec<usize> = mine.iter().map(|&i| samples[i].tokens.len()).collect();
     let mut acc = GradAccumulator::new();
     let mut report = StepReport::default();
+    let mut pending = PendingMetrics::default();
     let (mut tokens, mut micro_batches) = (0usize, 0usize);
     // The micro-batches share the weights: under FP8 each is quantized once for all of them.
     model.with_fp8_weight_cache(|| -> Result<()> {
@@ -308,12 +337,13 @@ fn optimizer_step(
             // added (by the weight GEMMs themselves, see `Qwen3::forward_backward_into`).
             let (sums, metrics) = mb_fn(&mb, shard.as_ref(), &lt, norm, acc.take_sums())?;
             acc.put_sums(sums)?;
-            accumulate(&mut report.metrics, &metrics, 1.0);
+            pending.append(metrics);
             tokens += mb.sample_tokens();
             micro_batches += 1;
         }
         Ok(())
     })?;
+    pending.read_into(&mut report.metrics)?;
     // The NaN/Inf guard's flag (see the module docs), one key per rank so that every rank learns
     // which one it was. Loss terms that are not finite are zeroed for the metric exchanges (JSON
     // has no NaN); the step is dropped anyway.
@@ -467,7 +497,7 @@ pub fn policy_step(
             let old = lt.host(mb, data.old_log_probs, &device)?;
             let reference = data.ref_log_probs.map(|r| lt.host(mb, r, &device)).transpose()?;
             let roll = rollout.as_deref().map(|r| lt.host(mb, r, &device)).transpose()?;
-            let mut metrics = BTreeMap::new();
+            let mut metrics = PendingMetrics::default();
             let loss_fn = |o: &TokenOutputs| {
                 let logp = lt.gather_or(&o.logprobs, Some(&old))?;
                 let entropy = lt.gather(&o.entropy)?;
@@ -484,7 +514,7 @@ pub fn policy_step(
                     },
                     &reducer,
                 )?;
-                accumulate(&mut metrics, &out.metrics, 1.0 / norm);
+                metrics.add(out.metrics, 1.0 / norm);
                 Ok((out.loss / norm)?)
             };
             let (_, grads) =
@@ -515,15 +545,20 @@ pub fn sft_step(
         opt,
         sched,
         |mb, shard, lt, norm, sums| {
-            let mut metrics = BTreeMap::new();
+            let mut metrics = PendingMetrics::default();
             let loss_fn = |o: &TokenOutputs| {
                 let logp = lt.gather(&o.logprobs)?;
                 let entropy = lt.gather(&o.entropy)?;
                 let reducer = lt.reducer(per_token)?;
                 let loss = reducer.reduce(&logp)?.neg()?;
-                let sum = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
-                metrics.insert("loss".to_string(), sum(&loss)? / norm);
-                metrics.insert("entropy_loss".to_string(), sum(&reducer.reduce(&entropy)?)? / norm);
+                let entropy_loss = reducer.reduce(&entropy)?.detach();
+                metrics.add(
+                    BTreeMap::from([
+                        ("loss".to_string(), loss.detach()),
+                        ("entropy_loss".to_string(), entropy_loss),
+                    ]),
+                    1.0 / norm,
+                );
                 Ok((loss / norm)?)
             };
             let (_, grads) =
@@ -559,7 +594,7 @@ pub fn critic_step(
         |mb, shard, lt, norm, sums| {
             let old = lt.host(mb, old_values, &device)?;
             let ret = lt.host(mb, returns, &device)?;
-            let mut metrics = BTreeMap::new();
+            let mut metrics = PendingMetrics::default();
             let loss_fn = |v: &Tensor| {
                 let values = lt.gather_or(&v.to_dtype(candle_core::DType::F32)?, Some(&old))?;
                 let reducer = lt.reducer(per_token)?;
@@ -572,7 +607,7 @@ pub fn critic_step(
                     },
                     &reducer,
                 )?;
-                accumulate(&mut metrics, &out.metrics, 1.0 / norm);
+                metrics.add(out.metrics, 1.0 / norm);
                 Ok((out.loss / norm)?)
             };
             let (_, grads) =
