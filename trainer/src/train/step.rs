@@ -618,3 +618,40 @@ pub fn critic_step(
     )
     .context("critic step")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    /// The deferred read gives what reading each metric as it was computed gave: the f32 value
+    /// widened to f64, times its factor, summed in the order added.
+    #[test]
+    fn pending_metrics_sum_like_immediate_reads() -> Result<()> {
+        let dev = Device::Cpu;
+        let f32s = |v: f32| Tensor::new(v, &dev).unwrap();
+        let mut pending = PendingMetrics::default();
+        let mb = |loss: f32, ent: f32| {
+            BTreeMap::from([
+                ("loss".to_string(), f32s(loss).to_dtype(DType::F64).unwrap()),
+                ("entropy_loss".to_string(), f32s(ent).to_dtype(DType::F64).unwrap()),
+            ])
+        };
+        let (a, b, c) = (0.1f32, 2.7f32, -1.3e-3f32);
+        let mut one = PendingMetrics::default();
+        one.add(mb(a, b), 1.0 / 3.0);
+        pending.append(one);
+        pending.add(mb(c, a), 1.0 / 7.0);
+        let mut total = BTreeMap::from([("loss".to_string(), 5.0)]);
+        pending.read_into(&mut total)?;
+        let want_loss = 5.0 + a as f64 * (1.0 / 3.0) + c as f64 * (1.0 / 7.0);
+        let want_ent = b as f64 * (1.0 / 3.0) + a as f64 * (1.0 / 7.0);
+        assert_eq!(total["loss"].to_bits(), want_loss.to_bits());
+        assert_eq!(total["entropy_loss"].to_bits(), want_ent.to_bits());
+        assert_eq!(total.len(), 2);
+        // Nothing pending reads nothing.
+        PendingMetrics::default().read_into(&mut total)?;
+        assert_eq!(total["loss"].to_bits(), want_loss.to_bits());
+        Ok(())
+    }
+}
