@@ -86,11 +86,7 @@ pub fn grad_sum_squares(grads: &BTreeMap<String, Tensor>) -> Result<Vec<f64>> {
 /// `sum_all` per tensor, one block a tensor, about 2.4 GB of reads at Qwen3-0.6B and 16 GB at 4B
 /// through a single SM each step; a finite sum that overflowed f32 also read as non-finite there.)
 pub fn first_nonfinite(grads: &BTreeMap<String, Tensor>, squares: &[f64]) -> Option<String> {
-    grads
-        .keys()
-        .zip(squares)
-        .find(|(_, s)| !s.is_finite())
-        .map(|(n, _)| n.clone())
+    nonfinite_names(grads, squares).next()
 }
 
 /// The guard as it was before [`first_nonfinite`]: candle's `sum_all` of each gradient, stacked
@@ -104,12 +100,13 @@ pub fn first_nonfinite_by_sum_all(grads: &BTreeMap<String, Tensor>) -> Result<Op
         .values()
         .map(|g| g.sum_all()?.to_dtype(DType::F32))
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let sums = Tensor::stack(&sums, 0)?.to_vec1::<f32>()?;
-    Ok(grads
-        .keys()
-        .zip(sums)
-        .find(|(_, s)| !s.is_finite())
-        .map(|(n, _)| n.clone()))
+    // f32 -> f64 keeps (non-)finiteness.
+    let sums: Vec<f64> = Tensor::stack(&sums, 0)?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    Ok(first_nonfinite(grads, &sums))
 }
 
 /// The global L2 norm over all gradients (any float dtype). A non-finite norm is a
@@ -126,19 +123,19 @@ pub fn grad_norm_of_squares(grads: &BTreeMap<String, Tensor>, squares: &[f64]) -
     }
     let norm = squares.iter().fold(0f64, |t, s| t + s).sqrt();
     if !norm.is_finite() {
-        let params = nonfinite_names(grads, squares);
+        let params = nonfinite_names(grads, squares).collect();
         return Err(NonFiniteGradNorm { norm, params }.into());
     }
     Ok(norm)
 }
 
-fn nonfinite_names(grads: &BTreeMap<String, Tensor>, squares: &[f64]) -> Vec<String> {
+/// The names of the gradients whose `squares` entry is not finite, in `grads`' order.
+fn nonfinite_names<'a>(grads: &'a BTreeMap<String, Tensor>, squares: &'a [f64]) -> impl Iterator<Item = String> + 'a {
     grads
         .keys()
         .zip(squares)
         .filter(|(_, s)| !s.is_finite())
         .map(|(n, _)| n.clone())
-        .collect()
 }
 
 /// The clipping coefficient `max_norm / (norm + 1e-6)` when it is below 1 (and `max_norm > 0`);
