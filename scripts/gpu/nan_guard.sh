@@ -23,6 +23,6 @@ for m in "qwen3-0.6b" "qwen3-4b $L4"; do
   for g in off fused sum-all off; do
     echo "== $m --nan-guard $g" | tee -a "$OUT/nan_guard.txt"
     timeout 150 /tmp/vt bench-step --model $m --seq-len 4096 --max-tokens-per-gpu 8192 --steps 6 --warmup 2 \
-      --nan-guard $g 2>&1 | grep -E "RESULT|rror" | tee -a "$OUT/nan_guard.txt"
+      --nan-guard $g 2>&1 | grep -E "RESULT|HOST|rror" | tee -a "$OUT/nan_guard.txt"
   done
 done

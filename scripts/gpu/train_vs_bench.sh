@@ -104,9 +104,11 @@ print("  last rollout:", {k: round(v, 4) for k, v in r.items() if k.startswith((
     "$W/log-$model/metrics.jsonl" 2>/dev/null | cut -c1-600 | tee -a "$LOG"
   declare -A bench=()
   for g in fused off; do
-    line=$(timeout 200 "$BIN" bench-step --model "$model" --seq-len "$SEQ" --max-tokens-per-gpu $(( 2 * SEQ )) \
-      --micro-batches 1 --recompute none --steps 10 --warmup 2 --nan-guard "$g" 2>&1 | grep -E '^RESULT|rror' | tail -1)
+    timeout 200 "$BIN" bench-step --model "$model" --seq-len "$SEQ" --max-tokens-per-gpu $(( 2 * SEQ )) \
+      --micro-batches 1 --recompute none --steps 10 --warmup 2 --nan-guard "$g" > "$OUT/bench-$model-$g.txt" 2>&1
+    line=$(grep -E '^RESULT|rror' "$OUT/bench-$model-$g.txt" | tail -1)
     echo "bench-step --nan-guard $g: $line" | tee -a "$LOG"
+    grep -E '^HOST' "$OUT/bench-$model-$g.txt" | sed 's/^/  /' | tee -a "$LOG"
     bench[$g]=$(sed -n 's/.*, \([0-9]*\) tokens\/s.*/\1/p' <<< "$line")
   done
   b=${bench[fused]:-0}

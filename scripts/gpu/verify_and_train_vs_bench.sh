@@ -20,10 +20,10 @@ s=$(date +%s); timeout 150 bash scripts/gpu/hf_parity.sh $OUT/verify/hf > $OUT/v
 echo "hf rc $? in $(( $(date +%s) - s )) s"; grep -E 'VERDICT' $OUT/verify/hf/hf_parity.txt | tail -2
 M="qwen3-0.6b"; grep -q H200 $OUT/verify/gpu.txt && [ $(left) -gt 300 ] && M="qwen3-0.6b qwen3-4b"
 s=$(date +%s); MODE=sft MODELS="$M" timeout $(( $(left) - 10 )) bash scripts/gpu/train_vs_bench.sh $OUT/tvb-sft > $OUT/tvb-sft.log 2>&1
-echo "sft rc $? in $(( $(date +%s) - s )) s"; grep -E 'VERDICT|trainer|bench-step|last rollout' $OUT/tvb-sft.log | cut -c1-500
+echo "sft rc $? in $(( $(date +%s) - s )) s"; grep -E 'VERDICT|trainer|bench-step|last rollout|HOST' $OUT/tvb-sft.log | cut -c1-500
 for v in new old; do
   [ $(left) -gt 100 ] || { echo "grpo $v: no time left"; continue; }
   x=gpu-carry/vime-train.xz; [ $v = old ] && x=gpu-carry/tvb/vime-train-old.xz
   s=$(date +%s); MODE=grpo MODELS=qwen3-0.6b ROLLOUTS=2 VIME_XZ=$x timeout $(( $(left) - 5 )) bash scripts/gpu/train_vs_bench.sh $OUT/tvb-grpo-$v > $OUT/tvb-grpo-$v.log 2>&1
-  echo "grpo $v rc $? in $(( $(date +%s) - s )) s"; grep -E 'VERDICT|trainer|bench-step|last rollout' $OUT/tvb-grpo-$v.log | cut -c1-500
+  echo "grpo $v rc $? in $(( $(date +%s) - s )) s"; grep -E 'VERDICT|trainer|bench-step|last rollout|HOST' $OUT/tvb-grpo-$v.log | cut -c1-500
 done

@@ -421,6 +421,12 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     let tokens_per_step = tokens as f64;
     let single = vime_dist::SingleRank::default();
     let (mut fb, mut optim, mut total) = (Vec::new(), Vec::new(), Vec::new());
+    // Host time (not GPU time) of the optimizer phase's pieces, to tell the launch gaps the
+    // timeline shows around the optimizer apart: the accumulator's hand-over, the guard up to
+    // its sums' copy (which waits for their kernels), the optimizer call (checks, norm, table,
+    // launch; asynchronous), and the gradients' frees.
+    let (mut h_sync, mut h_take, mut h_guard, mut h_opt, mut h_drop) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut sampler = None;
     let mut last_loss = 0.0;
     for step in 0..args.warmup + args.steps {
@@ -440,9 +446,11 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
             }
             Ok(())
         })?;
+        let h0 = Instant::now();
         device.synchronize()?;
         let s1 = Instant::now();
         let grads = acc.take();
+        let h1 = Instant::now();
         // The guard as `--nan-guard` asks; `fused` hands its sums of squares on to the norm, as
         // the trainer's step does.
         let (bad, squares) = match args.nan_guard.as_str() {
@@ -456,15 +464,23 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         if let Some(name) = bad {
             bail!("bench-step: the gradient of {name} is not finite");
         }
+        let h2 = Instant::now();
         opt.step_stats_tp(&grads, squares.as_deref(), opt_args.lr, 1.0, &dp, &single)?;
+        let h3 = Instant::now();
         // Freed while the optimizer's kernels run, as the trainer's step frees them (it returns
         // without waiting for the device). Freed after the wait, the ~310 frees (0.6B) were
         // host time at the next step's start with the GPU idle: 0.6-0.9 ms of gap in the 0.6B
         // timeline (benches/results/2026-12-05-rows-981a9bb-h200.md).
         drop(grads);
+        let h4 = Instant::now();
         device.synchronize()?;
         let s2 = Instant::now();
         if step >= args.warmup {
+            h_sync.push((s1 - h0).as_secs_f64());
+            h_take.push((h1 - s1).as_secs_f64());
+            h_guard.push((h2 - h1).as_secs_f64());
+            h_opt.push((h3 - h2).as_secs_f64());
+            h_drop.push((h4 - h3).as_secs_f64());
             fb.push((s1 - s0).as_secs_f64());
             optim.push((s2 - s1).as_secs_f64());
             total.push((s2 - s0).as_secs_f64());
@@ -472,6 +488,13 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     }
     let peak = sampler.map(MemSampler::finish).unwrap_or(0);
     let (fb, optim, step) = (median(&mut fb), median(&mut optim), median(&mut total));
+    let host_ms = serde_json::json!({
+        "sync_after_backward": 1e3 * median(&mut h_sync),
+        "take": 1e3 * median(&mut h_take),
+        "guard": 1e3 * median(&mut h_guard),
+        "optimizer_call": 1e3 * median(&mut h_opt),
+        "drop_grads": 1e3 * median(&mut h_drop),
+    });
     let tps = tokens_per_step / step;
     let tflops = tps * fpt / 1e12;
     let (graphs, build_s) = vime_kernels::cudnn_graph_stats();
@@ -508,6 +531,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "mfu_790": tflops / 790.0,
         "peak_mem_gib": peak as f64 / (1u64 << 30) as f64,
         "final_loss": last_loss,
+        "host_ms": host_ms,
     });
     println!(
         "RESULT vime {} seq {} tokens/step {} recompute {} attention {}{}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
@@ -525,6 +549,14 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         100.0 * tflops / 989.0,
         100.0 * tflops / 790.0,
         peak as f64 / (1u64 << 30) as f64
+    );
+    println!(
+        "HOST optimizer phase (median ms of host time): sync after the backward {:.3}, take {:.3}, guard incl. its copy {:.3}, optimizer call {:.3}, gradients freed {:.3}",
+        host_ms["sync_after_backward"].as_f64().unwrap_or(0.0),
+        host_ms["take"].as_f64().unwrap_or(0.0),
+        host_ms["guard"].as_f64().unwrap_or(0.0),
+        host_ms["optimizer_call"].as_f64().unwrap_or(0.0),
+        host_ms["drop_grads"].as_f64().unwrap_or(0.0)
     );
     if graphs > 0 {
         let v = out["cudnn_version"].as_str().unwrap_or("?");
@@ -739,6 +771,14 @@ mod tests {
         assert_eq!(out["cudnn_graphs"], 0);
         let loss = out["final_loss"].as_f64().unwrap();
         assert!((loss - 97f64.ln()).abs() < 0.5, "loss {loss}");
+        // The host pieces are medians of parts of the timed phases (the wait after the backward
+        // is in fwd+bwd; the rest in the optimizer phase), so each median lies within its phase's.
+        let ms = |k: &str| out["host_ms"][k].as_f64().unwrap_or(-1.0);
+        let (fb_ms, opt_ms) = (1e3 * out["fwd_bwd_s"].as_f64().unwrap(), 1e3 * out["optimizer_s"].as_f64().unwrap());
+        assert!((0.0..=fb_ms).contains(&ms("sync_after_backward")), "{}", out["host_ms"]);
+        for k in ["take", "guard", "optimizer_call", "drop_grads"] {
+            assert!((0.0..=opt_ms).contains(&ms(k)), "host_ms.{k}: {}", out["host_ms"]);
+        }
         let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
         assert_eq!(back, out);
     }

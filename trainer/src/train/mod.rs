@@ -1256,6 +1256,10 @@ impl<'a> Run<'a> {
             }
         }
         bar.finish_and_clear();
+        // The last optimizer step's kernels are still queued when the loop ends (a step waits
+        // for its metrics, not for its update): wait for them, so that the train time holds
+        // every step's whole work, as bench-step's step time does.
+        self.policy.device().synchronize()?;
         let train_time = t.elapsed().as_secs_f64();
         m.insert("perf/train_time".into(), train_time);
         let trained: usize = reports.iter().chain(&critic_reports).map(|r| r.tokens).sum();
