@@ -774,7 +774,10 @@ mod tests {
         // The host pieces are medians of parts of the timed phases (the wait after the backward
         // is in fwd+bwd; the rest in the optimizer phase), so each median lies within its phase's.
         let ms = |k: &str| out["host_ms"][k].as_f64().unwrap_or(-1.0);
-        let (fb_ms, opt_ms) = (1e3 * out["fwd_bwd_s"].as_f64().unwrap(), 1e3 * out["optimizer_s"].as_f64().unwrap());
+        let (fb_ms, opt_ms) = (
+            1e3 * out["fwd_bwd_s"].as_f64().unwrap(),
+            1e3 * out["optimizer_s"].as_f64().unwrap(),
+        );
         assert!((0.0..=fb_ms).contains(&ms("sync_after_backward")), "{}", out["host_ms"]);
         for k in ["take", "guard", "optimizer_call", "drop_grads"] {
             assert!((0.0..=opt_ms).contains(&ms(k)), "host_ms.{k}: {}", out["host_ms"]);
