@@ -24,7 +24,8 @@
 # rarely samples EOS, so nearly every sample is SEQ long; rewards are 0, so are the advantages).
 # ENTROPY_COEF (default 1e-3) keeps the gradients non-zero: with zero advantages alone every
 # gradient is zero, and GEMMs on zeros likely draw less power and clock higher on a power-capped
-# card (the 0.6B GRPO run at 0 came out 1.03x bench-step's, 2026-12-06). VIME_XZ names another packed binary (default
+# card (the 0.6B GRPO run at 0 came out 1.03x bench-step's, 2026-12-06). bench-step gets the same
+# --entropy-coef, so that both sides run the entropy term's backward through the LM head. VIME_XZ names another packed binary (default
 # gpu-carry/vime-train.xz), for comparing two builds.
 #
 # Ends with one `TRAIN_VS_BENCH <mode> <model> VERDICT: ...: PASS|FAIL` a model: PASS when the trainer's
@@ -80,7 +81,9 @@ EOF
 for model in $MODELS; do
   echo "== $model" | tee -a "$LOG"
   python3 scripts/gpu/random_qwen3.py "$model" "$W/$model" tests/assets/qwen3-tokenizer 2>&1 | tail -1 | tee -a "$LOG"
+  bflags=()
   if [ "$MODE" = grpo ]; then
+    bflags=(--entropy-coef "${ENTROPY_COEF:-1e-3}")
     task=(--advantage-estimator grpo --n-samples-per-prompt 2 --rollout-batch-size $(( ROWS / 2 ))
           --rollout-max-response-len $(( SEQ - $(cat "$W/sft.jsonl.prompt_len") )) --rm-type exact_match
           --entropy-coef "${ENTROPY_COEF:-1e-3}")
@@ -108,7 +111,7 @@ print("  last rollout:", {k: round(v, 4) for k, v in r.items() if k.startswith((
   declare -A bench=()
   for g in fused off; do
     timeout 200 "$BIN" bench-step --model "$model" --seq-len "$SEQ" --max-tokens-per-gpu $(( 2 * SEQ )) \
-      --micro-batches 1 --recompute none --steps 10 --warmup 2 --nan-guard "$g" > "$OUT/bench-$model-$g.txt" 2>&1
+      --micro-batches 1 --recompute none --steps 10 --warmup 2 --nan-guard "$g" "${bflags[@]}" > "$OUT/bench-$model-$g.txt" 2>&1
     line=$(grep -E '^RESULT|rror' "$OUT/bench-$model-$g.txt" | tail -1)
     echo "bench-step --nan-guard $g: $line" | tee -a "$LOG"
     grep -E '^HOST' "$OUT/bench-$model-$g.txt" | sed 's/^/  /' | tee -a "$LOG"

@@ -79,6 +79,11 @@ pub struct BenchArgs {
     /// gradient), to measure what it costs.
     #[arg(long, default_value = "off")]
     pub nan_guard: String,
+    /// The objective gets `- entropy_coef * mean(entropy)` besides `- mean(logprob)`, as
+    /// `vime-train --entropy-coef` adds to the policy loss: what the entropy term's gradient
+    /// through the LM head costs a step (0: the log-probs alone).
+    #[arg(long, default_value_t = 0.0)]
+    pub entropy_coef: f64,
     /// Megatron's flag: the CUDA attention kernel, auto (cuDNN fused attention in a build with
     /// the cudnn feature, else vime's flash kernel), fused (cuDNN) or flash.
     #[arg(long, default_value = "auto")]
@@ -408,9 +413,17 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
             100.0 * fill
         );
     }
+    if !args.entropy_coef.is_finite() {
+        bail!("--entropy-coef {}: expected a finite number", args.entropy_coef);
+    }
+    let entropy_coef = args.entropy_coef;
     let objective = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> {
         let n = o.logprobs.elem_count().max(1) as f64;
-        Ok(o.logprobs.sum_all()?.affine(-1.0 / n, 0.0)?)
+        let loss = o.logprobs.sum_all()?.affine(-1.0 / n, 0.0)?;
+        if entropy_coef == 0.0 {
+            return Ok(loss);
+        }
+        Ok((loss - o.entropy.sum_all()?.affine(entropy_coef / n, 0.0)?)?)
     };
     if args.compare_backward {
         compare_backward(&mut model, &batches[0], recompute, &objective)?;
@@ -507,6 +520,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "attention": if device.is_cuda() { model.kernel_config().attention_kernel() } else { "cpu" },
         "deterministic_mode": args.deterministic_mode,
         "nan_guard": args.nan_guard,
+        "entropy_coef": args.entropy_coef,
         "fp8": args.fp8.fp8_format.as_ref().map(|f| format!("{f} {}", args.fp8.fp8_recipe)),
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,
@@ -717,6 +731,7 @@ mod tests {
             layers: None,
             compare_backward: false,
             nan_guard: "fused".into(),
+            entropy_coef: 0.0,
             attention_backend: "auto".into(),
             deterministic_mode: false,
             fp8: Default::default(),
