@@ -288,6 +288,9 @@ fn compare_backward(
 }
 
 pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
+    if !args.entropy_coef.is_finite() {
+        bail!("--entropy-coef {}: expected a finite number", args.entropy_coef);
+    }
     let kernels = crate::device::apply_kernel_flags(
         &args.attention_backend,
         args.deterministic_mode,
@@ -412,9 +415,6 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
             args.max_tokens_per_gpu,
             100.0 * fill
         );
-    }
-    if !args.entropy_coef.is_finite() {
-        bail!("--entropy-coef {}: expected a finite number", args.entropy_coef);
     }
     let entropy_coef = args.entropy_coef;
     let objective = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> {
@@ -799,6 +799,46 @@ mod tests {
         }
         let back: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
         assert_eq!(back, out);
+    }
+
+    #[test]
+    fn the_entropy_coef_subtracts_the_mean_entropy_from_the_objective() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, tiny_config().to_string()).unwrap();
+        // One step, no warm-up: the loss is the first forward's, before any update, so the runs
+        // differ only in the objective.
+        let loss = |c: f64| {
+            let args = BenchArgs {
+                seq_len: 16,
+                max_tokens_per_gpu: 32,
+                dtype: "f32".into(),
+                entropy_coef: c,
+                ..cpu_args(&path.display().to_string())
+            };
+            let out = run(&args).unwrap();
+            assert_eq!(out["entropy_coef"], serde_json::json!(c));
+            out["final_loss"].as_f64().unwrap()
+        };
+        let (l0, l1, l2) = (loss(0.0), loss(1.0), loss(2.0));
+        // L(c) = -mean(logprob) - c * mean(entropy). A random-init model (N(0, 0.02) weights) is
+        // close to uniform over its 97 ids, whose entropy is ln 97: the term's sign and scale.
+        let h = l0 - l1;
+        assert!(
+            (h - 97f64.ln()).abs() < 0.05,
+            "mean entropy {h}, ln 97 = {}",
+            97f64.ln()
+        );
+        assert!((l0 - l2 - 2.0 * h).abs() < 1e-4, "{l0} {l1} {l2}");
+        let e = format!(
+            "{:#}",
+            run(&BenchArgs {
+                entropy_coef: f64::NAN,
+                ..cpu_args("qwen3-4b")
+            })
+            .unwrap_err()
+        );
+        assert!(e.contains("--entropy-coef"), "{e}");
     }
 
     #[test]
