@@ -243,6 +243,19 @@ pub fn random_model(cfg: Qwen3Config, dtype: DType, device: &Device) -> Result<Q
     Qwen3::from_tensors(cfg, tensors)
 }
 
+/// The pieces of bench-step's optimizer phase whose host time it reports (`host_ms` key, label
+/// of the `HOST` line), to tell apart the launch gaps a timeline shows around the optimizer: the
+/// wait after the backward, the accumulator's hand-over, the guard up to its sums' copy (which
+/// waits for their kernels), the optimizer call (checks, norm, table, launch; asynchronous) and
+/// the gradients' frees.
+const HOST_PIECES: [(&str, &str); 5] = [
+    ("sync_after_backward", "sync after the backward"),
+    ("take", "take"),
+    ("guard", "guard incl. its copy"),
+    ("optimizer_call", "optimizer call"),
+    ("drop_grads", "gradients freed"),
+];
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -416,14 +429,13 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
             100.0 * fill
         );
     }
-    let entropy_coef = args.entropy_coef;
     let objective = |o: &vime_qwen3::model::TokenOutputs| -> anyhow::Result<Tensor> {
         let n = o.logprobs.elem_count().max(1) as f64;
         let loss = o.logprobs.sum_all()?.affine(-1.0 / n, 0.0)?;
-        if entropy_coef == 0.0 {
+        if args.entropy_coef == 0.0 {
             return Ok(loss);
         }
-        Ok((loss - o.entropy.sum_all()?.affine(entropy_coef / n, 0.0)?)?)
+        Ok((loss - o.entropy.sum_all()?.affine(args.entropy_coef / n, 0.0)?)?)
     };
     if args.compare_backward {
         compare_backward(&mut model, &batches[0], recompute, &objective)?;
@@ -434,12 +446,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     let tokens_per_step = tokens as f64;
     let single = vime_dist::SingleRank::default();
     let (mut fb, mut optim, mut total) = (Vec::new(), Vec::new(), Vec::new());
-    // Host time (not GPU time) of the optimizer phase's pieces, to tell the launch gaps the
-    // timeline shows around the optimizer apart: the accumulator's hand-over, the guard up to
-    // its sums' copy (which waits for their kernels), the optimizer call (checks, norm, table,
-    // launch; asynchronous), and the gradients' frees.
-    let (mut h_sync, mut h_take, mut h_guard, mut h_opt, mut h_drop) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Host time (not GPU time) of the optimizer phase's pieces (`HOST_PIECES`), per timed step.
+    let mut host: [Vec<f64>; HOST_PIECES.len()] = Default::default();
     let mut sampler = None;
     let mut last_loss = 0.0;
     for step in 0..args.warmup + args.steps {
@@ -489,11 +497,9 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         device.synchronize()?;
         let s2 = Instant::now();
         if step >= args.warmup {
-            h_sync.push((s1 - h0).as_secs_f64());
-            h_take.push((h1 - s1).as_secs_f64());
-            h_guard.push((h2 - h1).as_secs_f64());
-            h_opt.push((h3 - h2).as_secs_f64());
-            h_drop.push((h4 - h3).as_secs_f64());
+            for (v, (a, b)) in host.iter_mut().zip([(h0, s1), (s1, h1), (h1, h2), (h2, h3), (h3, h4)]) {
+                v.push((b - a).as_secs_f64());
+            }
             fb.push((s1 - s0).as_secs_f64());
             optim.push((s2 - s1).as_secs_f64());
             total.push((s2 - s0).as_secs_f64());
@@ -501,13 +507,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
     }
     let peak = sampler.map(MemSampler::finish).unwrap_or(0);
     let (fb, optim, step) = (median(&mut fb), median(&mut optim), median(&mut total));
-    let host_ms = serde_json::json!({
-        "sync_after_backward": 1e3 * median(&mut h_sync),
-        "take": 1e3 * median(&mut h_take),
-        "guard": 1e3 * median(&mut h_guard),
-        "optimizer_call": 1e3 * median(&mut h_opt),
-        "drop_grads": 1e3 * median(&mut h_drop),
-    });
+    let host_ms: Vec<f64> = host.iter_mut().map(|v| 1e3 * median(v)).collect();
     let tps = tokens_per_step / step;
     let tflops = tps * fpt / 1e12;
     let (graphs, build_s) = vime_kernels::cudnn_graph_stats();
@@ -545,7 +545,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "mfu_790": tflops / 790.0,
         "peak_mem_gib": peak as f64 / (1u64 << 30) as f64,
         "final_loss": last_loss,
-        "host_ms": host_ms,
+        "host_ms": HOST_PIECES.iter().zip(&host_ms).map(|((k, _), v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
     });
     println!(
         "RESULT vime {} seq {} tokens/step {} recompute {} attention {}{}: step {:.3} s (fwd+bwd {:.3}, optimizer {:.3}), {:.0} tokens/s, {:.0} TFLOP/s, MFU {:.1}% of 989 / {:.1}% of 790, peak mem {:.1} GiB",
@@ -564,14 +564,12 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         100.0 * tflops / 790.0,
         peak as f64 / (1u64 << 30) as f64
     );
-    println!(
-        "HOST optimizer phase (median ms of host time): sync after the backward {:.3}, take {:.3}, guard incl. its copy {:.3}, optimizer call {:.3}, gradients freed {:.3}",
-        host_ms["sync_after_backward"].as_f64().unwrap_or(0.0),
-        host_ms["take"].as_f64().unwrap_or(0.0),
-        host_ms["guard"].as_f64().unwrap_or(0.0),
-        host_ms["optimizer_call"].as_f64().unwrap_or(0.0),
-        host_ms["drop_grads"].as_f64().unwrap_or(0.0)
-    );
+    let pieces: Vec<String> = HOST_PIECES
+        .iter()
+        .zip(&host_ms)
+        .map(|((_, label), v)| format!("{label} {v:.3}"))
+        .collect();
+    println!("HOST optimizer phase (median ms of host time): {}", pieces.join(", "));
     if graphs > 0 {
         let v = out["cudnn_version"].as_str().unwrap_or("?");
         println!("cuDNN {v} attention: {graphs} graphs built, {build_s:.2} s of host time (warm-up included)");
