@@ -25,8 +25,8 @@
 # ENTROPY_COEF (default 1e-3) keeps the gradients non-zero: with zero advantages alone every
 # gradient is zero, and GEMMs on zeros likely draw less power and clock higher on a power-capped
 # card (the 0.6B GRPO run at 0 came out 1.03x bench-step's, 2026-12-06). bench-step gets the same
-# --entropy-coef, so that both sides run the entropy term's backward through the LM head. VIME_XZ names another packed binary (default
-# gpu-carry/vime-train.xz), for comparing two builds.
+# --entropy-coef, so that both sides run the entropy term's backward through the LM head. VIME_XZ
+# names another packed binary (default gpu-carry/vime-train.xz), for comparing two builds.
 #
 # Ends with one `TRAIN_VS_BENCH <mode> <model> VERDICT: ...: PASS|FAIL` a model: PASS when the trainer's
 # tokens/s is at least 0.97x bench-step's with the same guard.
@@ -38,6 +38,7 @@ SEQ=${SEQ:-4096}
 ROWS=${ROWS:-16}
 ROLLOUTS=${ROLLOUTS:-3}
 MODE=${MODE:-sft}
+ENTROPY_COEF=${ENTROPY_COEF:-1e-3}
 VIME_XZ=${VIME_XZ:-gpu-carry/vime-train.xz}
 source gpu-carry/device-env.sh >/dev/null 2>&1
 BIN=$(mktemp /tmp/vime-train-XXXX)
@@ -46,7 +47,7 @@ LOG="$OUT/train_vs_bench.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: MODE=$MODE ENTROPY_COEF=${ENTROPY_COEF:-1e-3} MODELS=\"$MODELS\" SEQ=$SEQ ROWS=$ROWS ROLLOUTS=$ROLLOUTS VIME_XZ=$VIME_XZ scripts/gpu/train_vs_bench.sh"
+  echo "command: MODE=$MODE ENTROPY_COEF=$ENTROPY_COEF MODELS=\"$MODELS\" SEQ=$SEQ ROWS=$ROWS ROLLOUTS=$ROLLOUTS VIME_XZ=$VIME_XZ scripts/gpu/train_vs_bench.sh"
   echo "binary: $VIME_XZ ($(sha256sum < "$VIME_XZ" | cut -c1-12))"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee "$LOG"
@@ -83,10 +84,10 @@ for model in $MODELS; do
   python3 scripts/gpu/random_qwen3.py "$model" "$W/$model" tests/assets/qwen3-tokenizer 2>&1 | tail -1 | tee -a "$LOG"
   bflags=()
   if [ "$MODE" = grpo ]; then
-    bflags=(--entropy-coef "${ENTROPY_COEF:-1e-3}")
+    bflags=(--entropy-coef "$ENTROPY_COEF")
     task=(--advantage-estimator grpo --n-samples-per-prompt 2 --rollout-batch-size $(( ROWS / 2 ))
           --rollout-max-response-len $(( SEQ - $(cat "$W/sft.jsonl.prompt_len") )) --rm-type exact_match
-          --entropy-coef "${ENTROPY_COEF:-1e-3}")
+          --entropy-coef "$ENTROPY_COEF")
   else
     task=(--loss-type sft --rollout-batch-size "$ROWS")
   fi
