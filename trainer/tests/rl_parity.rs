@@ -178,13 +178,38 @@ fn policy_losses_match_slime() {
         for (dtype, tol, t) in &fx.refs {
             let input = |x: &str| get(t, &format!("inputs.{}.{x}", case.inputs)).clone();
             assert_eq!(input("log_probs").dtype(), *dtype, "{}", case.name);
-            let reducer = LossReducer::new(
+            let from_device = LossReducer::new(
                 cu,
                 &input("loss_mask"),
                 case.sample_denoms.as_deref(),
                 args.calculate_per_token_loss,
             )
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
+            // The trainer's reducer: the same mask given from the host (no device read between
+            // a forward and its backward). It must reduce to the same bits as `new`'s, and the
+            // case then runs on it against slime.
+            let reducer = LossReducer::from_host_mask(
+                cu,
+                &host(&input("loss_mask")),
+                *dtype,
+                &Device::Cpu,
+                case.sample_denoms.as_deref(),
+                args.calculate_per_token_loss,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", case.name));
+            assert_eq!(reducer.num_tokens(), from_device.num_tokens(), "{}", case.name);
+            for x in ["log_probs", "advantages", "entropy"] {
+                let (a, b) = (
+                    reducer.reduce(&input(x)).unwrap(),
+                    from_device.reduce(&input(x)).unwrap(),
+                );
+                assert_eq!(
+                    host(&a.reshape(1).unwrap()),
+                    host(&b.reshape(1).unwrap()),
+                    "{}: reduce({x})",
+                    case.name
+                );
+            }
             let log_probs = Var::from_tensor(&input("log_probs")).unwrap();
             let entropy = Var::from_tensor(&input("entropy")).unwrap();
             let (advantages, old, rf, rollout) = (
@@ -496,6 +521,14 @@ fn bad_inputs_are_reported() {
     let mask_t = Tensor::new(&[1f32, 1., 1., 0.], &dev).unwrap();
     let e = LossReducer::new(&[0, 3], &mask_t, None, false).unwrap_err().to_string();
     assert!(e.contains("loss_mask has shape [4]"), "{e}");
+    let e = LossReducer::from_host_mask(&[0, 3], &[1.0, 1.0], DType::F32, &dev, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("loss_mask has 2 values, cu_seqlens says [3]"), "{e}");
+    let e = LossReducer::from_host_mask(&[1, 3], &[1.0, 1.0], DType::F32, &dev, None, false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cu_seqlens must start at 0"), "{e}");
     let reducer = LossReducer::new(&cu, &mask_t, None, false).unwrap();
     let x = Tensor::new(&[0.1f32, 0.2, 0.3, 0.4], &dev).unwrap();
     let x64 = x.to_dtype(DType::F64).unwrap();

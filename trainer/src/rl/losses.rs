@@ -57,17 +57,65 @@ impl LossReducer {
         sample_denoms: Option<&[f64]>,
         calculate_per_token_loss: bool,
     ) -> Result<Self> {
-        ensure!(
-            !cu_seqlens.is_empty() && cu_seqlens[0] == 0 && cu_seqlens.windows(2).all(|w| w[0] <= w[1]),
-            "cu_seqlens must start at 0 and be non-decreasing, got {cu_seqlens:?}"
-        );
-        let num_samples = cu_seqlens.len() - 1;
-        let n = cu_seqlens[num_samples];
+        let n = Self::tokens_of(cu_seqlens)?;
         ensure!(
             loss_mask.dims() == [n],
             "loss_mask has shape {:?}, cu_seqlens says [{n}]",
             loss_mask.dims()
         );
+        let mask_host: Vec<f64> = loss_mask.to_dtype(DType::F64)?.to_vec1()?;
+        Self::build(
+            cu_seqlens,
+            &mask_host,
+            loss_mask.detach(),
+            sample_denoms,
+            calculate_per_token_loss,
+        )
+    }
+
+    /// [`Self::new`] from the mask's host values (`[N]`, 0/1), with the reducer's tensors in
+    /// `dtype` on `device`. It reads nothing from the device: `new` copies the mask to the host,
+    /// which waits for every kernel queued before it, and the trainer builds its reducer between
+    /// a micro-batch's forward and backward, where that wait left the GPU idle while the host
+    /// then queued the loss and the backward.
+    pub fn from_host_mask(
+        cu_seqlens: &[usize],
+        loss_mask: &[f64],
+        dtype: DType,
+        device: &candle_core::Device,
+        sample_denoms: Option<&[f64]>,
+        calculate_per_token_loss: bool,
+    ) -> Result<Self> {
+        let n = Self::tokens_of(cu_seqlens)?;
+        ensure!(
+            loss_mask.len() == n,
+            "loss_mask has {} values, cu_seqlens says [{n}]",
+            loss_mask.len()
+        );
+        let mask = Tensor::from_slice(loss_mask, n, device)?.to_dtype(dtype)?;
+        Self::build(cu_seqlens, loss_mask, mask, sample_denoms, calculate_per_token_loss)
+    }
+
+    /// `N`, the last of `cu_seqlens` once they are checked.
+    fn tokens_of(cu_seqlens: &[usize]) -> Result<usize> {
+        ensure!(
+            !cu_seqlens.is_empty() && cu_seqlens[0] == 0 && cu_seqlens.windows(2).all(|w| w[0] <= w[1]),
+            "cu_seqlens must start at 0 and be non-decreasing, got {cu_seqlens:?}"
+        );
+        Ok(cu_seqlens[cu_seqlens.len() - 1])
+    }
+
+    /// The reducer of `cu_seqlens` (checked by the caller) and the mask, given both on the host
+    /// and as the device tensor `mask` (in the loss dtype).
+    fn build(
+        cu_seqlens: &[usize],
+        mask_host: &[f64],
+        mask: Tensor,
+        sample_denoms: Option<&[f64]>,
+        calculate_per_token_loss: bool,
+    ) -> Result<Self> {
+        let num_samples = cu_seqlens.len() - 1;
+        let n = cu_seqlens[num_samples];
         if let Some(d) = sample_denoms {
             ensure!(
                 d.len() == num_samples,
@@ -75,7 +123,6 @@ impl LossReducer {
                 d.len()
             );
         }
-        let mask_host: Vec<f64> = loss_mask.to_dtype(DType::F64)?.to_vec1()?;
         let mut ids = Vec::with_capacity(n);
         let mut weights = Vec::with_capacity(n);
         let mut mask_sums = Vec::with_capacity(num_samples);
@@ -93,13 +140,13 @@ impl LossReducer {
             mask_sums.push(mask_sum.max(1.0));
             num_tokens += mask_sum.max(1.0);
         }
-        let (dtype, dev) = (loss_mask.dtype(), loss_mask.device());
+        let (dtype, dev) = (mask.dtype(), mask.device().clone());
         Ok(LossReducer {
             cu_seqlens: cu_seqlens.to_vec(),
-            sample_ids: Tensor::from_vec(ids, n, dev)?,
-            mask: loss_mask.detach(),
-            sample_mask_sums: Tensor::from_vec(mask_sums, num_samples, dev)?.to_dtype(dtype)?,
-            weights: Tensor::from_vec(weights, n, dev)?.to_dtype(dtype)?,
+            sample_ids: Tensor::from_vec(ids, n, &dev)?,
+            mask,
+            sample_mask_sums: Tensor::from_vec(mask_sums, num_samples, &dev)?.to_dtype(dtype)?,
+            weights: Tensor::from_vec(weights, n, &dev)?.to_dtype(dtype)?,
             num_tokens,
         })
     }

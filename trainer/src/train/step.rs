@@ -19,7 +19,7 @@ use crate::critic::Critic;
 use crate::optim::{DistributedAdamW, GradAccumulator, LrScheduler};
 use crate::rl::{policy_loss, read_scalars, value_loss, LossReducer, PolicyLossInputs, RlArgs, ValueLossInputs};
 use anyhow::{Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
 use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::context_parallel::CpShard;
@@ -88,7 +88,8 @@ struct LossTokens {
     positions: Tensor,
     /// `[0, n_0, n_0 + n_1, ..]` over the micro-batch's samples.
     cu_seqlens: Vec<usize>,
-    mask: Tensor,
+    /// Where the loss is computed (the reducer's tensors go there).
+    device: Device,
     /// Under CP: `[N]` 1 where this rank holds the loss token, else 0.
     local: Option<Tensor>,
 }
@@ -116,7 +117,7 @@ impl LossTokens {
         Ok(Self {
             positions: Tensor::from_vec(pos, n, device)?,
             cu_seqlens: cu,
-            mask: Tensor::ones(n, candle_core::DType::F32, device)?,
+            device: device.clone(),
             local,
         })
     }
@@ -157,7 +158,11 @@ impl LossTokens {
     }
 
     fn reducer(&self, per_token: bool) -> Result<LossReducer> {
-        let r = LossReducer::new(&self.cu_seqlens, &self.mask, None, per_token)?;
+        // Every loss token counts (mask 1), given from the host: reading a device mask here
+        // would wait for the forward, and the GPU would idle while the host queued the loss and
+        // the backward.
+        let mask = vec![1.0; *self.cu_seqlens.last().unwrap_or(&0)];
+        let r = LossReducer::from_host_mask(&self.cu_seqlens, &mask, DType::F32, &self.device, None, per_token)?;
         match &self.local {
             Some(keep) => r.restricted_to(keep),
             None => Ok(r),
