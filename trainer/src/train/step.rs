@@ -4,7 +4,7 @@
 //!
 //! Everything is indexed by rollout sample: `per_sample[i]` holds one value per response token
 //! of sample `i`. A micro-batch gathers its samples' response positions out of the packed batch
-//! (`MicroBatch::response_ranges`) with `index_select`, so the loss sees `[N]` tensors over loss
+//! (`MicroBatch::response_ranges`) as slices, so the loss sees `[N]` tensors over loss
 //! tokens only, as `crate::rl` expects, and gradients flow back to the packed outputs.
 //!
 //! NaN/Inf guard (Megatron's `check_for_nan_in_loss_and_grad`): before each update the step's
@@ -80,12 +80,42 @@ fn normalizer(samples: &[Sample], indices: &[usize], per_token: bool) -> f64 {
     }
 }
 
+/// A run of consecutive loss tokens: `len` of them at `start..start + len` of the model's
+/// outputs, or (under context parallelism) held by another CP rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Run {
+    Here { start: usize, len: usize },
+    Elsewhere { len: usize },
+}
+
+impl Run {
+    fn len(&self) -> usize {
+        match *self {
+            Run::Here { len, .. } | Run::Elsewhere { len } => len,
+        }
+    }
+}
+
+/// The loss tokens' positions (`None`: held by another CP rank) as maximal runs.
+fn runs_of(positions: impl IntoIterator<Item = Option<usize>>) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for p in positions {
+        match (runs.last_mut(), p) {
+            (Some(Run::Here { start, len }), Some(p)) if *start + *len == p => *len += 1,
+            (Some(Run::Elsewhere { len }), None) => *len += 1,
+            (_, Some(p)) => runs.push(Run::Here { start: p, len: 1 }),
+            (_, None) => runs.push(Run::Elsewhere { len: 1 }),
+        }
+    }
+    runs
+}
+
 /// What the micro-batch closure needs about its loss tokens.
 struct LossTokens {
-    /// Positions of the response tokens in the model's outputs, in sample order: the packed
-    /// batch's, or under context parallelism this rank's local batch's (0 where another CP rank
-    /// holds the token).
-    positions: Tensor,
+    /// Where the response tokens sit in the model's outputs, in sample order, as runs: the packed
+    /// batch's positions, or under context parallelism this rank's local batch's (and runs that
+    /// another CP rank holds). Each sample's response is one run without CP, a few with it.
+    runs: Vec<Run>,
     /// `[0, n_0, n_0 + n_1, ..]` over the micro-batch's samples.
     cu_seqlens: Vec<usize>,
     /// Where the loss is computed (the reducer's tensors go there).
@@ -103,38 +133,46 @@ impl LossTokens {
             cu.push(pos.len());
         }
         let n = pos.len();
-        let (pos, local): (Vec<u32>, Option<Tensor>) = match shard {
-            None => (pos.iter().map(|&p| p as u32).collect(), None),
+        let (runs, local) = match shard {
+            None => (runs_of(pos.iter().map(|&p| Some(p))), None),
             Some(sh) => {
                 let at = sh.local_positions(&pos);
                 let keep: Vec<f32> = at.iter().map(|a| if a.is_some() { 1.0 } else { 0.0 }).collect();
-                (
-                    at.iter().map(|a| a.unwrap_or(0) as u32).collect(),
-                    Some(Tensor::from_vec(keep, n, device)?),
-                )
+                (runs_of(at), Some(Tensor::from_vec(keep, n, device)?))
             }
         };
         Ok(Self {
-            positions: Tensor::from_vec(pos, n, device)?,
+            runs,
             cu_seqlens: cu,
             device: device.clone(),
             local,
         })
     }
 
-    /// The loss tokens' values of a per-token model output (f32). Under CP the tokens another
-    /// rank holds take `elsewhere` (a constant: the old log-prob, so that ratios there are 1 and
-    /// finite) or 0; the reducer gives them no weight, so they add nothing to the loss or its
-    /// gradient.
+    /// The loss tokens' values of a per-token model output (`[T]`, f32): `[N]`. Under CP the
+    /// tokens another rank holds take `elsewhere` (`[N]`, a constant: the old log-prob, so that
+    /// ratios there are 1 and finite) or 0; the reducer gives them no weight, so they add nothing
+    /// to the loss or its gradient.
+    ///
+    /// Slices and a concatenation, not `index_select`: the gradient of `index_select` is candle's
+    /// `index_add`, which on a 1-D tensor runs on one GPU thread (~1.5 ms for 8k tokens on an
+    /// H100, once for the log-probs and once for the entropy of every micro-batch), where a
+    /// slice's gradient is a copy at bandwidth.
     fn gather_or(&self, x: &Tensor, elsewhere: Option<&Tensor>) -> Result<Tensor> {
-        let g = x.index_select(&self.positions, 0)?;
-        let Some(keep) = &self.local else {
-            return Ok(g);
-        };
-        let kept = g.mul(keep)?;
-        Ok(match elsewhere {
-            Some(e) => (kept + e.detach().mul(&(1.0 - keep)?)?)?,
-            None => kept,
+        let mut parts = Vec::with_capacity(self.runs.len());
+        let mut at = 0;
+        for run in &self.runs {
+            parts.push(match (*run, elsewhere) {
+                (Run::Here { start, len }, _) => x.narrow(0, start, len)?,
+                (Run::Elsewhere { len }, Some(e)) => e.detach().narrow(0, at, len)?,
+                (Run::Elsewhere { len }, None) => Tensor::zeros(len, x.dtype(), x.device())?,
+            });
+            at += run.len();
+        }
+        Ok(match parts.len() {
+            0 => Tensor::zeros(0, x.dtype(), x.device())?,
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 0)?,
         })
     }
 
@@ -628,6 +666,72 @@ pub fn critic_step(
 mod tests {
     use super::*;
     use candle_core::DType;
+
+    #[test]
+    fn loss_token_runs_are_maximal() {
+        let here = |start, len| Run::Here { start, len };
+        let pos = [Some(3), Some(4), Some(5), Some(9), None, None, Some(10), Some(0), None];
+        assert_eq!(
+            runs_of(pos),
+            vec![
+                here(3, 3),
+                here(9, 1),
+                Run::Elsewhere { len: 2 },
+                here(10, 1),
+                here(0, 1),
+                Run::Elsewhere { len: 1 }
+            ]
+        );
+        assert_eq!(runs_of([]), vec![]);
+    }
+
+    /// The slices give `index_select`'s values and gradient: each loss token's output, and each
+    /// output position's gradient once per loss token there (0 elsewhere); under CP the tokens
+    /// another rank holds take `elsewhere` and send no gradient back.
+    #[test]
+    fn loss_token_gather_matches_index_select() -> Result<()> {
+        let dev = Device::Cpu;
+        let t = 12;
+        let x = candle_core::Var::from_tensor(&Tensor::arange(0f32, t as f32, &dev)?.affine(0.5, -1.0)?)?;
+        // Two samples' responses (positions 2..5 and 7..11), then a CP rank that holds only some.
+        let pos: Vec<usize> = (2..5).chain(7..11).collect();
+        let n = pos.len();
+        let w = Tensor::arange(1f32, n as f32 + 1.0, &dev)?;
+        let cases: [Vec<Option<usize>>; 2] = [
+            pos.iter().map(|&p| Some(p)).collect(),
+            pos.iter()
+                .enumerate()
+                .map(|(i, &p)| (i % 3 != 1).then_some(p))
+                .collect(),
+        ];
+        let elsewhere = Tensor::full(-7f32, n, &dev)?;
+        for at in cases {
+            let keep: Vec<f32> = at.iter().map(|a| a.is_some() as u8 as f32).collect();
+            let lt = LossTokens {
+                runs: runs_of(at.iter().copied()),
+                cu_seqlens: vec![0, 3, n],
+                device: dev.clone(),
+                local: Some(Tensor::new(keep.as_slice(), &dev)?),
+            };
+            let ours = lt.gather_or(x.as_tensor(), Some(&elsewhere))?;
+            let g = ours.mul(&w)?.sum_all()?.backward()?;
+            let ours_grad: Vec<f32> = g.get(x.as_tensor()).expect("a gradient").to_vec1()?;
+            // The reference: index_select at the held positions, `elsewhere` at the others.
+            let idx: Vec<u32> = at.iter().map(|a| a.unwrap_or(0) as u32).collect();
+            let sel = x.as_tensor().index_select(&Tensor::new(idx.as_slice(), &dev)?, 0)?;
+            let k = Tensor::new(keep.as_slice(), &dev)?;
+            let want = (sel.mul(&k)? + elsewhere.mul(&(1.0 - &k)?)?)?;
+            let gw = want.mul(&w)?.sum_all()?.backward()?;
+            let want_grad: Vec<f32> = gw.get(x.as_tensor()).expect("a gradient").to_vec1()?;
+            assert_eq!(ours.to_vec1::<f32>()?, want.to_vec1::<f32>()?, "{at:?}");
+            assert_eq!(ours_grad, want_grad, "{at:?}");
+            assert_eq!(
+                lt.gather(x.as_tensor())?.to_vec1::<f32>()?,
+                sel.mul(&k)?.to_vec1::<f32>()?
+            );
+        }
+        Ok(())
+    }
 
     /// The deferred read gives what reading each metric as it was computed gave: the f32 value
     /// widened to f64, times its factor, summed in the order added.
