@@ -28,6 +28,12 @@
 # --entropy-coef, so that both sides run the entropy term's backward through the LM head. VIME_XZ
 # names another packed binary (default gpu-carry/vime-train.xz), for comparing two builds.
 #
+# TRACE=1 runs the trainer and bench-step (fused guard) under scripts/gpu/cupti_trace.c (needs
+# gpu-carry/cupti/ from scripts/gpu/cupti_trace.sh) with driver API records, and writes
+# scripts/gpu/timeline.py's split of their last steps (the trainer's last 6, within its last rollout)
+# to timeline-{train,bench}-<model>.txt: where the trainer's extra time a step goes. The tracer
+# slows both a little; the untraced tokens/s are not measured then.
+#
 # Ends with one `TRAIN_VS_BENCH <mode> <model> VERDICT: ...: PASS|FAIL` a model: PASS when the trainer's
 # tokens/s is at least 0.97x bench-step's with the same guard.
 set -uo pipefail
@@ -40,6 +46,16 @@ ROLLOUTS=${ROLLOUTS:-3}
 MODE=${MODE:-sft}
 ENTROPY_COEF=${ENTROPY_COEF:-1e-3}
 VIME_XZ=${VIME_XZ:-gpu-carry/vime-train.xz}
+TRACE=${TRACE:-0}
+# traced NAME: the environment that records a run's timeline into $W/trace-NAME.txt (TRACE=1).
+traced() { [ "$TRACE" = 1 ] && echo "CUDA_INJECTION64_PATH=$PWD/gpu-carry/cupti/libvime_cupti_trace.so CUPTI_TRACE_OUT=$W/trace-$1.txt CUPTI_TRACE_API=1"; }
+# timeline NAME STEPS: timeline.py's split of that trace's last STEPS steps, into the output.
+timeline() {
+  [ "$TRACE" = 1 ] || return 0
+  python3 scripts/gpu/timeline.py "$W/trace-$1.txt" --steps "$2" --top 20 > "$OUT/timeline-$1.txt" 2>&1
+  grep -E '^per step|^  [a-z_]+ +[0-9.]+ ms' "$OUT/timeline-$1.txt" | sed "s/^/  timeline $1: /" | tee -a "$LOG"
+  rm -f "$W/trace-$1.txt"
+}
 source gpu-carry/device-env.sh >/dev/null 2>&1
 BIN=$(mktemp /tmp/vime-train-XXXX)
 xz -dc "$VIME_XZ" > "$BIN" && chmod +x "$BIN"
@@ -91,11 +107,12 @@ for model in $MODELS; do
   else
     task=(--loss-type sft --rollout-batch-size "$ROWS")
   fi
-  timeout 400 "$BIN" --hf-checkpoint "$W/$model" "${task[@]}" --prompt-data "$W/sft.jsonl" \
+  timeout 400 env $(traced "train-$model") "$BIN" --hf-checkpoint "$W/$model" "${task[@]}" --prompt-data "$W/sft.jsonl" \
     --input-key prompt --label-key label --global-batch-size 2 --num-rollout "$ROLLOUTS" \
     --use-dynamic-batch-size --max-tokens-per-gpu $(( 2 * SEQ )) --lr 1e-6 --clip-grad 1.0 \
     --dtype bf16 --device cuda --no-progress --log-dir "$W/log-$model" > "$OUT/train-$model.txt" 2>&1
   rc=$?
+  timeline "train-$model" 6
   tail -4 "$OUT/train-$model.txt" | cut -c1-400 | tee -a "$LOG"
   cp "$W/log-$model/metrics.jsonl" "$OUT/metrics-$model.jsonl" 2>/dev/null
   train=$(python3 -c 'import json,sys
@@ -111,11 +128,13 @@ print("  last rollout:", {k: round(v, 4) for k, v in r.items() if k.startswith((
     "$W/log-$model/metrics.jsonl" 2>/dev/null | cut -c1-600 | tee -a "$LOG"
   declare -A bench=()
   for g in fused off; do
-    timeout 200 "$BIN" bench-step --model "$model" --seq-len "$SEQ" --max-tokens-per-gpu $(( 2 * SEQ )) \
+    t=; [ $g = fused ] && t=$(traced "bench-$model")
+    timeout 200 env $t "$BIN" bench-step --model "$model" --seq-len "$SEQ" --max-tokens-per-gpu $(( 2 * SEQ )) \
       --micro-batches 1 --recompute none --steps 10 --warmup 2 --nan-guard "$g" "${bflags[@]}" > "$OUT/bench-$model-$g.txt" 2>&1
     line=$(grep -E '^RESULT|rror' "$OUT/bench-$model-$g.txt" | tail -1)
     echo "bench-step --nan-guard $g: $line" | tee -a "$LOG"
     grep -E '^HOST' "$OUT/bench-$model-$g.txt" | sed 's/^/  /' | tee -a "$LOG"
+    [ $g = fused ] && timeline "bench-$model" 6
     bench[$g]=$(sed -n 's/.*, \([0-9]*\) tokens\/s.*/\1/p' <<< "$line")
   done
   b=${bench[fused]:-0}
