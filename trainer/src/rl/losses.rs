@@ -37,8 +37,6 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone)]
 pub struct LossReducer {
     cu_seqlens: Vec<usize>,
-    /// `[N]` u32: the sample of each token.
-    sample_ids: Tensor,
     /// `[N]`, in the loss dtype.
     mask: Tensor,
     /// `[S]`: `max(mask sum of the sample, 1)`, for GSPO's per-sample means.
@@ -123,7 +121,6 @@ impl LossReducer {
                 d.len()
             );
         }
-        let mut ids = Vec::with_capacity(n);
         let mut weights = Vec::with_capacity(n);
         let mut mask_sums = Vec::with_capacity(num_samples);
         let mut num_tokens = 0.0;
@@ -131,7 +128,6 @@ impl LossReducer {
             let m = &mask_host[w[0]..w[1]];
             let mask_sum: f64 = m.iter().sum();
             let denom = sample_denoms.map_or(mask_sum, |d| d[s]).max(1.0);
-            ids.extend(std::iter::repeat_n(s as u32, m.len()));
             if calculate_per_token_loss {
                 weights.extend_from_slice(m);
             } else {
@@ -143,7 +139,6 @@ impl LossReducer {
         let (dtype, dev) = (mask.dtype(), mask.device().clone());
         Ok(LossReducer {
             cu_seqlens: cu_seqlens.to_vec(),
-            sample_ids: Tensor::from_vec(ids, n, &dev)?,
             mask,
             sample_mask_sums: Tensor::from_vec(mask_sums, num_samples, &dev)?.to_dtype(dtype)?,
             weights: Tensor::from_vec(weights, n, &dev)?.to_dtype(dtype)?,
@@ -169,12 +164,28 @@ impl LossReducer {
 
     /// Each sample's masked mean `sum_{t in s} x_t mask_t / max(sum_{t in s} mask_t, 1)`, repeated
     /// on every token of the sample (`[N]`).
+    ///
+    /// Each sample's tokens are one slice (`cu_seqlens`): a sum per slice, broadcast back, not
+    /// `index_add` by sample id, which on a 1-D tensor runs on one GPU thread (forward and, through
+    /// `index_select`'s gradient, backward).
     pub fn sample_mean_per_token(&self, x: &Tensor) -> Result<Tensor> {
-        let sums = self
-            .sample_mask_sums
-            .zeros_like()?
-            .index_add(&self.sample_ids, &x.mul(&self.mask)?, 0)?;
-        Ok(sums.div(&self.sample_mask_sums)?.index_select(&self.sample_ids, 0)?)
+        let xm = x.mul(&self.mask)?;
+        let mut parts = Vec::with_capacity(self.num_samples());
+        for (s, w) in self.cu_seqlens.windows(2).enumerate() {
+            let len = w[1] - w[0];
+            if len == 0 {
+                continue;
+            }
+            let mean = xm
+                .narrow(0, w[0], len)?
+                .sum_keepdim(0)?
+                .div(&self.sample_mask_sums.narrow(0, s, 1)?)?;
+            parts.push(mean.broadcast_as(len)?.contiguous()?);
+        }
+        Ok(match parts.len() {
+            0 => x.zeros_like()?,
+            _ => Tensor::cat(&parts, 0)?,
+        })
     }
 
     /// slime `loss_function`'s `num_tokens`: `sum_s max(sum_{t in s} mask_t, 1)`, this micro-batch's
