@@ -28,6 +28,9 @@
 # --entropy-coef, so that both sides run the entropy term's backward through the LM head. VIME_XZ
 # names another packed binary (default gpu-carry/vime-train.xz), for comparing two builds.
 #
+# ESTIMATOR (default grpo) is MODE=grpo's --advantage-estimator (gspo: the per-sample sequence
+# ratio; cispo).
+#
 # TRACE=1 runs the trainer and bench-step (fused guard) under scripts/gpu/cupti_trace.c (needs
 # gpu-carry/cupti/ from scripts/gpu/cupti_trace.sh) with driver API records, and writes
 # scripts/gpu/timeline.py's split of their last steps (the trainer's last 6, within its last rollout)
@@ -47,6 +50,7 @@ MODE=${MODE:-sft}
 ENTROPY_COEF=${ENTROPY_COEF:-1e-3}
 VIME_XZ=${VIME_XZ:-gpu-carry/vime-train.xz}
 TRACE=${TRACE:-0}
+ESTIMATOR=${ESTIMATOR:-grpo}
 # traced NAME: the environment that records a run's timeline into $W/trace-NAME.txt (TRACE=1).
 traced() { [ "$TRACE" = 1 ] && echo "CUDA_INJECTION64_PATH=$PWD/gpu-carry/cupti/libvime_cupti_trace.so CUPTI_TRACE_OUT=$W/trace-$1.txt CUPTI_TRACE_API=1"; }
 # timeline NAME STEPS: timeline.py's split of that trace's last STEPS steps, into the output.
@@ -63,7 +67,7 @@ LOG="$OUT/train_vs_bench.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: MODE=$MODE ENTROPY_COEF=$ENTROPY_COEF MODELS=\"$MODELS\" SEQ=$SEQ ROWS=$ROWS ROLLOUTS=$ROLLOUTS VIME_XZ=$VIME_XZ scripts/gpu/train_vs_bench.sh"
+  echo "command: MODE=$MODE ESTIMATOR=$ESTIMATOR ENTROPY_COEF=$ENTROPY_COEF MODELS=\"$MODELS\" SEQ=$SEQ ROWS=$ROWS ROLLOUTS=$ROLLOUTS VIME_XZ=$VIME_XZ scripts/gpu/train_vs_bench.sh"
   echo "binary: $VIME_XZ ($(sha256sum < "$VIME_XZ" | cut -c1-12))"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee "$LOG"
@@ -101,7 +105,7 @@ for model in $MODELS; do
   bflags=()
   if [ "$MODE" = grpo ]; then
     bflags=(--entropy-coef "$ENTROPY_COEF")
-    task=(--advantage-estimator grpo --n-samples-per-prompt 2 --rollout-batch-size $(( ROWS / 2 ))
+    task=(--advantage-estimator "$ESTIMATOR" --n-samples-per-prompt 2 --rollout-batch-size $(( ROWS / 2 ))
           --rollout-max-response-len $(( SEQ - $(cat "$W/sft.jsonl.prompt_len") )) --rm-type exact_match
           --entropy-coef "$ENTROPY_COEF")
   else
