@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use vime_rollout::engine::embedded::EmbeddedEngine;
 use vime_rollout::engine::{FinishReason, GenOutput, GenRequest, RolloutEngine, SamplingParams};
 use vime_rollout::vllm::{
-    pick_free_port, url_encode_component, PauseMode, VllmArgs, VllmClient, VllmClientConfig, VllmLaunchConfig,
-    VllmLauncher,
+    pick_free_port, port_owned_by_group, url_encode_component, PauseMode, VllmArgs, VllmClient, VllmClientConfig,
+    VllmLaunchConfig, VllmLauncher,
 };
 
 fn fixture() -> PathBuf {
@@ -100,23 +100,44 @@ struct ServeProc {
 }
 
 impl ServeProc {
+    /// A vime-serve on a picked free port, healthy, and the port's listener its own. The port is
+    /// released before vime-serve binds it, and the tests run in parallel: another test's server
+    /// may take it first, answer this one's `/health`, and then take its control calls (a red CI
+    /// run: a STOPped engine's weight sync "succeeded" through the other server). So the listener
+    /// must belong to this child (its own process group, from /proc), else it starts again on
+    /// another port, as the launcher does.
     fn start() -> Self {
-        let port = pick_free_port().unwrap();
-        let child = Command::new(vime_serve_bin())
-            .arg(fixture())
-            .args(["--port", &port.to_string(), "--batch-window-ms", "2", "--dev-mode"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let url = format!("http://127.0.0.1:{port}");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while http_status(&url, "/health") != Some(200) {
-            assert!(Instant::now() < deadline, "vime-serve at {url} not healthy within 60 s");
-            std::thread::sleep(Duration::from_millis(50));
+        use std::os::unix::process::CommandExt;
+        for _ in 0..3 {
+            let port = pick_free_port().unwrap();
+            let mut child = Command::new(vime_serve_bin())
+                .arg(fixture())
+                .args(["--port", &port.to_string(), "--batch-window-ms", "2", "--dev-mode"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .spawn()
+                .unwrap();
+            let url = format!("http://127.0.0.1:{port}");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                if child.try_wait().unwrap().is_some() {
+                    break; // it exited: the port was taken
+                }
+                if http_status(&url, "/health") == Some(200) {
+                    match port_owned_by_group(port, child.id()) {
+                        Some(true) | None => return Self { child, url },
+                        Some(false) => {}
+                    }
+                }
+                assert!(Instant::now() < deadline, "vime-serve at {url} not healthy within 60 s");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        Self { child, url }
+        panic!("vime-serve could not keep a free port in 3 tries (taken each time before it bound)");
     }
     fn kill(&mut self) {
         let _ = self.child.kill();

@@ -1235,7 +1235,7 @@ struct Launched {
 /// launched engine and its workers): `None` where Linux's /proc cannot tell. A free port is
 /// picked, released, then bound by the engine; in between, another process may take it, and
 /// `GET /health` would then be answered by someone else's server.
-fn port_owned_by_group(port: u16, pgid: u32) -> Option<bool> {
+pub fn port_owned_by_group(port: u16, pgid: u32) -> Option<bool> {
     let mut inodes = Vec::new();
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let Ok(text) = std::fs::read_to_string(table) else {
