@@ -169,11 +169,22 @@ impl LossTokens {
             });
             at += run.len();
         }
-        Ok(match parts.len() {
+        let out = match parts.len() {
             0 => Tensor::zeros(0, x.dtype(), x.device())?,
             1 => parts.remove(0),
             _ => Tensor::cat(&parts, 0)?,
-        })
+        };
+        // A CP rank that holds none of the loss tokens still backpropagates (a zero gradient):
+        // the loss must depend on the model's outputs, as the collectives of the backward run on
+        // every rank. `x[0] * 0` on each token keeps that dependency and adds nothing.
+        let here = self.runs.iter().any(|r| matches!(r, Run::Here { .. }));
+        if !here && at > 0 && x.dim(0)? > 0 {
+            // A product with a zero tensor, not `affine(0, 0)`: candle's backward does not follow an
+            // affine whose factor is 0.
+            let zero = x.narrow(0, 0, 1)?.mul(&Tensor::zeros(1, x.dtype(), x.device())?)?;
+            return Ok((out + zero.broadcast_as(at)?)?);
+        }
+        Ok(out)
     }
 
     fn gather(&self, x: &Tensor) -> Result<Tensor> {
@@ -697,12 +708,14 @@ mod tests {
         let pos: Vec<usize> = (2..5).chain(7..11).collect();
         let n = pos.len();
         let w = Tensor::arange(1f32, n as f32 + 1.0, &dev)?;
-        let cases: [Vec<Option<usize>>; 2] = [
+        let cases: [Vec<Option<usize>>; 3] = [
             pos.iter().map(|&p| Some(p)).collect(),
             pos.iter()
                 .enumerate()
                 .map(|(i, &p)| (i % 3 != 1).then_some(p))
                 .collect(),
+            // A CP rank that holds none of them: still a (zero) gradient, as index_select gave.
+            vec![None; n],
         ];
         let elsewhere = Tensor::full(-7f32, n, &dev)?;
         for at in cases {
