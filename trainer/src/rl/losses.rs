@@ -180,7 +180,8 @@ impl LossReducer {
                 .narrow(0, w[0], len)?
                 .sum_keepdim(0)?
                 .div(&self.sample_mask_sums.narrow(0, s, 1)?)?;
-            parts.push(mean.broadcast_as(len)?.contiguous()?);
+            // Broadcast views: `cat` copies them into place itself.
+            parts.push(mean.broadcast_as(len)?);
         }
         Ok(match parts.len() {
             0 => x.zeros_like()?,

@@ -169,9 +169,9 @@ impl LossTokens {
             });
             at += run.len();
         }
+        // (`Tensor::cat` of one part is that part, no copy.)
         let out = match parts.len() {
             0 => Tensor::zeros(0, x.dtype(), x.device())?,
-            1 => parts.remove(0),
             _ => Tensor::cat(&parts, 0)?,
         };
         // A CP rank that holds none of the loss tokens still backpropagates (a zero gradient):
