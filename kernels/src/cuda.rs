@@ -1283,9 +1283,9 @@ pub(crate) fn flash_fwd(
     check_bf16("varlen_attention", &[q.dtype(), k.dtype(), v.dtype()])?;
     let dev = &q.device;
     let (tq, h) = (lq.dims()[0], lq.dims()[1]);
-    let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
-    let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
     if kernels.batch_invariant() {
+        let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
+        let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
         bi_attention(q, lq, k, lk, v, lv, cu_q, cu_k, scale, &out, &lse)?;
         // The flash backward reads this log-sum-exp (same layout and base).
         *saved.0.lock().unwrap() = Some((lse, None));
@@ -1294,6 +1294,9 @@ pub(crate) fn flash_fwd(
     #[cfg(feature = "cudnn")]
     if tq > 0 {
         if let Some(plan) = cudnn_plan(kernels, cu_q, cu_k, h, lk.dims()[1], lq.dims()[2])? {
+            // cuDNN writes every row of a covering plan: no zero fill (33.5 MB of O a layer at
+            // Qwen3-0.6B's 8192 tokens). The flash fallback below gets fresh zeroed buffers.
+            let (out, lse) = attention_outputs(dev, tq * h * 128, h * tq, plan.covers)?;
             let ptrs = crate::cudnn::Ptrs {
                 q: addr::<bf16>(q, lq, "varlen_attention")?,
                 k: addr::<bf16>(k, lk, "varlen_attention")?,
@@ -1311,6 +1314,8 @@ pub(crate) fn flash_fwd(
             }
         }
     }
+    let out = dev.alloc_zeros::<bf16>((tq * h * 128).max(1))?;
+    let lse = dev.alloc_zeros::<f32>((h * tq).max(1))?;
     let g = seq_grid(cu_q, cu_k);
     if tq > 0 && g.max_lq > 0 {
         let f = flash_fn(dev, "vime_flash_fwd")?;
@@ -1324,6 +1329,27 @@ pub(crate) fn flash_fwd(
     }
     *saved.0.lock().unwrap() = Some((lse, None));
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
+}
+
+/// The forward's output (bf16) and log-sum-exp (f32) buffers: left unfilled where the kernel
+/// writes every element (`written`), zero-filled otherwise.
+#[cfg(feature = "cudnn")]
+fn attention_outputs(
+    dev: &CudaDevice,
+    n_out: usize,
+    n_lse: usize,
+    written: bool,
+) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
+    if written {
+        // SAFETY: plain device memory of a Copy type, all of it written by cuDNN's forward
+        // before anything reads it.
+        Ok(unsafe { (dev.alloc::<bf16>(n_out.max(1))?, dev.alloc::<f32>(n_lse.max(1))?) })
+    } else {
+        Ok((
+            dev.alloc_zeros::<bf16>(n_out.max(1))?,
+            dev.alloc_zeros::<f32>(n_lse.max(1))?,
+        ))
+    }
 }
 
 /// Most query heads per kv head `vime_bi_attn` takes (one warp each; `BI_MAXG` in invariant.cu).
@@ -1440,13 +1466,19 @@ pub(crate) fn flash_bwd(
     let (tq, h, d) = (lq.dims()[0], lq.dims()[1], lq.dims()[2]);
     let (tk, hkv) = (lk.dims()[0], lk.dims()[1]);
     let (nq, nk) = (tq * h * d, tk * hkv * d);
-    let packed = dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?;
     let guard = saved.0.lock().unwrap();
     let Some((lse, plan)) = guard.as_ref() else {
         bail!("varlen_attention backward: no saved log-sum-exp (the forward did not run on CUDA)");
     };
     #[cfg(feature = "cudnn")]
     if let Some(plan) = plan {
+        // dQ, dK and dV of a covering plan: every row written (67 MB a layer at Qwen3-0.6B).
+        let packed = if plan.covers {
+            // SAFETY: cuDNN's backward writes all nq + 2 nk elements before anything reads them.
+            unsafe { dev.alloc::<bf16>((nq + 2 * nk).max(1)) }?
+        } else {
+            dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?
+        };
         let dqp = slice_addr(&packed, dev);
         let ptrs = crate::cudnn::Ptrs {
             q: addr::<bf16>(q, lq, "varlen_attention backward")?,
@@ -1466,6 +1498,7 @@ pub(crate) fn flash_bwd(
         ));
     }
     debug_assert!(plan.is_none(), "a cuDNN plan without the cudnn feature");
+    let packed = dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?;
     if tq > 0 && tk > 0 {
         let g = seq_grid(cu_q, cu_k);
         let (cq, ck) = (upload_u32_cached(dev, cu_q)?, upload_u32_cached(dev, cu_k)?);

@@ -103,6 +103,10 @@ pub(crate) struct Plan {
     dense: bool,
     /// Every kept sequence has `L_q = L_k` (top-left and bottom-right causal masks coincide).
     pub(crate) top_left: bool,
+    /// Every query and key row belongs to a kept sequence (both offsets start at 0, and no
+    /// sequence without queries holds keys), so cuDNN writes every row of O, the statistics, dQ,
+    /// dK and dV: their buffers need no zero fill.
+    pub(crate) covers: bool,
     b: usize,
     s_q: usize,
     s_k: usize,
@@ -168,7 +172,12 @@ impl Plan {
         }
         let len = |s: usize| ((cu_q[s + 1] - cu_q[s]) as usize, (cu_k[s + 1] - cu_k[s]) as usize);
         let top_left = keep.iter().all(|&s| len(s).0 == len(s).1);
-        let dense = top_left && keep.iter().all(|&s| len(s) == len(keep[0])) && !force_ragged();
+        let covers = cu_q[0] == 0
+            && cu_k[0] == 0
+            && (0..cu_q.len() - 1).all(|s| cu_q[s + 1] > cu_q[s] || cu_k[s + 1] == cu_k[s]);
+        // The dense layout reads sequence i at i x s_q and i x s_k: only right when every row
+        // belongs to a kept sequence of that one length.
+        let dense = covers && top_left && keep.iter().all(|&s| len(s) == len(keep[0])) && !force_ragged();
         // The ragged graph's batch rounds up to a power of two with empty sequences (length 0,
         // offsets at the end), so that a few graphs serve every micro-batch of a dynamic-batching
         // run (measured on the H200: a forward + backward graph pair 2.1-2.6 s of host time in a
@@ -204,6 +213,7 @@ impl Plan {
         Ok(Self {
             dense,
             top_left,
+            covers,
             b,
             s_q,
             s_k,
@@ -342,7 +352,30 @@ mod tests {
     fn equal_lengths_take_the_dense_layout() {
         let p = Plan::new(&[0, 4096, 8192], &[0, 4096, 8192], 32, 8, 128).unwrap();
         assert_eq!(p.layout(), ("dense", true));
+        assert!(p.covers);
         assert_eq!((p.b, p.s_q, p.s_k, p.t_q), (2, 4096, 4096, 8192));
+    }
+
+    #[test]
+    fn keys_outside_every_kept_sequence_need_the_ragged_layout_and_a_zero_fill() {
+        // Two kept sequences of 4 = 4 rows, between them one with 3 keys and no query: the dense
+        // layout would read the second sequence's keys at 4, not at 7, and cuDNN writes no dK or
+        // dV rows for keys no kept sequence holds.
+        let p = Plan::new(&[0, 4, 4, 8], &[0, 4, 7, 11], 2, 1, 8).unwrap();
+        assert_eq!(p.layout(), ("ragged", true));
+        assert!(!p.covers);
+        // Empty in both: nothing is left out.
+        let p = Plan::new(&[0, 4, 4, 8], &[0, 4, 4, 8], 2, 1, 8).unwrap();
+        assert_eq!(p.layout(), ("dense", true));
+        assert!(p.covers);
+        // Rows before the first sequence.
+        let p = Plan::new(&[2, 6, 10], &[2, 6, 10], 2, 1, 8).unwrap();
+        assert_eq!(p.layout(), ("ragged", true));
+        assert!(!p.covers);
+        // Prefill after a cache (L_k > L_q): every key is in a kept sequence.
+        let p = Plan::new(&[0, 3, 5], &[0, 10, 14], 2, 1, 8).unwrap();
+        assert_eq!(p.layout(), ("ragged", false));
+        assert!(p.covers);
     }
 
     #[test]
@@ -351,6 +384,7 @@ mod tests {
         let (cq, ck) = ([0u32, 1, 1, 101, 138], [0u32, 300, 303, 403, 603]);
         let p = Plan::new(&cq, &ck, 4, 2, 8).unwrap();
         assert_eq!(p.layout(), ("ragged", false));
+        assert!(!p.covers, "the dropped sequence's 3 keys");
         // 3 sequences kept, the graph's batch padded to 4 with an empty one
         assert_eq!((p.b, p.s_q, p.s_k, p.t_q, p.t_k), (4, 128, 512, 256, 1024));
         let seg = p.seg;

@@ -166,6 +166,11 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     }
     #[cfg(feature = "cudnn")]
     check_cudnn_determinism(&gpu, &mut rng, &mut failures)?;
+    #[cfg(feature = "cudnn")]
+    {
+        check_cudnn_unfilled_outputs(&gpu, &mut rng, &mut failures)?;
+        checks += 1;
+    }
 
     let th = 256usize;
     let h = rng.randn(&[th, 2560], 1.0, bf, &Device::Cpu)?;
@@ -342,6 +347,55 @@ fn check_cudnn_determinism(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Strin
         println!("cudnn attention backward, deterministic {det}: max |run1 - run2| = {d:e}");
         if det && d != 0.0 {
             failures.push(format!("cudnn deterministic backward differs between runs by {d:e}"));
+        }
+    }
+    Ok(())
+}
+
+/// cuDNN's attention writes every element of the buffers it gets unfilled (O and the statistics
+/// forward, dQ/dK/dV backward, on a plan whose sequences cover every row): with the device's
+/// memory pool holding NaN from just-freed buffers of the same sizes, a deterministic forward and
+/// backward give the bits of a run on clean memory, on the dense and on the ragged layout.
+#[cfg(feature = "cudnn")]
+fn check_cudnn_unfilled_outputs(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let bf = DType::BF16;
+    let kc = kernels(vime_kernels::AttentionBackend::Fused, true)?;
+    for (layout, cu) in [
+        ("dense", vec![0u32, 1024, 2048]),
+        ("ragged", vec![0u32, 700, 1500, 2048]),
+    ] {
+        let cu: Arc<[u32]> = cu.into();
+        let t = 2048;
+        let q = rng.randn(&[t, 16, 128], 1.0, bf, gpu)?;
+        let k = rng.randn(&[t, 8, 128], 1.0, bf, gpu)?;
+        let v = rng.randn(&[t, 8, 128], 1.0, bf, gpu)?;
+        let dout = rng.randn(&[t, 16, 128], 1.0, bf, gpu)?;
+        let run = || -> Result<Vec<f32>> {
+            let (o, saved) = vime_kernels::varlen_attention_saved(&q, &k, &v, &cu, &cu, 1.0 / (128f64).sqrt(), &kc)?;
+            let (dq, dk, dv) = vime_kernels::varlen_attention_backward(&saved, &q, &k, &v, &o, &dout)?;
+            let parts = [
+                o.flatten_all()?,
+                dq.flatten_all()?,
+                dk.flatten_all()?,
+                dv.flatten_all()?,
+            ];
+            Tensor::cat(&parts, 0)?.to_dtype(DType::F32)?.to_vec1::<f32>()
+        };
+        let clean = run()?;
+        // NaN in freed buffers of the sizes the calls allocate: O (t x 16 x 128 bf16), the
+        // statistics (16 x t f32), the packed dQ/dK/dV (t x 32 x 128 bf16).
+        for n in [t * 16 * 128, t * 32 * 128] {
+            drop(Tensor::full(f32::NAN, n, gpu)?.to_dtype(bf)?);
+        }
+        drop(Tensor::full(f32::NAN, 16 * t, gpu)?);
+        let dirty = run()?;
+        let bad = dirty.iter().filter(|x| !x.is_finite()).count();
+        let same = clean.iter().zip(&dirty).all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("cudnn attention on unfilled buffers [{layout}]: {bad} non-finite, bits equal to a clean run: {same}");
+        if bad > 0 || !same {
+            failures.push(format!(
+                "cudnn attention [{layout}] on unfilled buffers: {bad} non-finite values, bits equal: {same}"
+            ));
         }
     }
     Ok(())
