@@ -1445,3 +1445,37 @@ extern "C" __global__ void vime_swiglu_packed(const bf16* __restrict__ gu, bf16*
         y[i] = __float2bfloat16(swiglu_f(__bfloat162float(row[c]), __bfloat162float(row[inter + c])));
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Context parallelism's key-gradient scatter: out[index[j]] += src[j] over j in order, into zeros
+// (candle's `zeros.index_add(index, src, 0)`). candle's kernel gives each of the row's `width`
+// elements one thread that walks every j (1,024 threads for 8 KV heads, each ~10k dependent
+// read-modify-writes at Qwen3-4B CP 2); here one thread holds 8 elements of one destination row
+// and walks only that row's sources, listed by the host (`csr`: rows + 1 offsets, then the
+// source rows, ascending j within a row). The adds are candle's (`__hadd`, rounded to bf16 each
+// time, starting from +0, in the same order): the same bits. width8 = width / 8; src and out
+// 16-byte aligned, width % 8 == 0 (the Rust side checks).
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void vime_index_add_rows_bf16(bf16* __restrict__ out, const bf16* __restrict__ src,
+                                                    const unsigned int* __restrict__ csr, unsigned int rows,
+                                                    int width8) {
+    const unsigned int* srcs = csr + rows + 1;
+    const unsigned long long total = (unsigned long long)rows * width8;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long width = (unsigned long long)width8 * 8;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const unsigned int r = (unsigned int)(i / width8);
+        const unsigned long long c = (i % width8) * 8;
+        __nv_bfloat162 acc[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[k] = __floats2bfloat162_rn(0.f, 0.f);
+        const unsigned int end = csr[r + 1];
+        for (unsigned int e = csr[r]; e < end; ++e) {
+            const uint4 u = *reinterpret_cast<const uint4*>(src + (unsigned long long)srcs[e] * width + c);
+            const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[k] = __hadd2(acc[k], v[k]);
+        }
+        *reinterpret_cast<uint4*>(out + (unsigned long long)r * width + c) = *reinterpret_cast<const uint4*>(acc);
+    }
+}

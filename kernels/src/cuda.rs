@@ -2319,6 +2319,38 @@ pub fn rows_write(pool: &Tensor, src: &Tensor, rows: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// [`crate::rows::index_add_rows`] on the device: `src` `[n, width]` bf16 contiguous (16-byte
+/// aligned, `width % 8 == 0`; checked by the caller), `csr` the destination rows' source lists
+/// (`dst_rows + 1` offsets, then the `n` source rows). One thread per 8 elements of a
+/// destination row; every row is written (zeros where it has no source).
+pub(crate) fn index_add_rows(src: &Tensor, csr: &[u32], dst_rows: usize, width: usize) -> Result<Tensor> {
+    let dev = match src.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("index_add_rows: the source must be on a CUDA device"),
+    };
+    check_bf16("index_add_rows", &[src.dtype()])?;
+    let n_out = dst_rows * width;
+    // SAFETY: the kernel writes every element (each destination row, sources or not).
+    let out = unsafe { dev.alloc::<bf16>(n_out.max(1)) }?;
+    if n_out > 0 {
+        // A view that starts off a 16-byte boundary is read from a copy (fresh buffers are aligned).
+        let src = if tensor_addr::<bf16>(src, "index_add_rows")? % 16 != 0 {
+            src.copy()?
+        } else {
+            src.clone()
+        };
+        let sp = tensor_addr::<bf16>(&src, "index_add_rows")?;
+        let table = upload_u32_cached(&dev, csr)?;
+        let (op, cp) = (slice_addr(&out, &dev), slice_addr(&*table, &dev));
+        let rows =
+            u32::try_from(dst_rows).map_err(|_| candle_core::Error::Msg(format!("index_add_rows: {dst_rows} rows")))?;
+        let w8 = i32_of("index_add_rows", "width / 8", width / 8)?;
+        let f = ops_fn(&dev, "vime_index_add_rows_bf16")?;
+        launch!(dev, f, cfg(grid_for(n_out / 8, 256), 256), [&op, &sp, &cp, &rows, &w8]);
+    }
+    Ok(device_tensor(out, &dev, (dst_rows, width)))
+}
+
 /// [`crate::decode::decode_attention`] on the device: `q: [B, H, 128]` bf16, the pools
 /// `[capacity, Hkv x 128]` bf16, `rows` and `meta` (offsets then chunk) u32 on the device
 /// (checked by the caller), `max_len` the longest sequence. One split-KV launch over

@@ -207,12 +207,13 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_widen_into_sums(&gpu, &mut rng, &mut failures)?;
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
+    check_index_add_rows(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
-    checks += 9;
+    checks += 10;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -713,6 +714,20 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         &|a| vime_kernels::swiglu(&a[0], &a[1]),
         &[g, u],
     )?;
+    // Context parallelism's key-gradient scatter (Qwen3-4B CP 2, one K or V of one layer):
+    // candle's index_add against vime's index_add_rows.
+    let index = cp2_key_index();
+    let src = rng.randn(&[index.len(), 8, 128], 1.0, bf, &gpu)?;
+    let ids = Tensor::new(index.as_slice(), &gpu)?;
+    let candle_ms = median_ms(&gpu, 5, &mut || {
+        Tensor::zeros((8192, 8, 128), bf, &gpu)?
+            .index_add(&ids, &src, 0)
+            .map(|_| ())
+    })?;
+    let vime_ms = median_ms(&gpu, 20, &mut || {
+        vime_kernels::rows::index_add_rows(&src, &index, 8192).map(|_| ())
+    })?;
+    println!("TIME cp_key_grad_scatter 10240x8x128_to_8192 candle_index_add_ms {candle_ms:.4} index_add_rows_ms {vime_ms:.4}");
     // (uneven: 3000 + 1096 tokens, the ragged layout on cuDNN)
     for (seqs, len) in [(1usize, 4096usize), (2, 2048), (1, 8192), (2, 0)] {
         let cu: Arc<[u32]> = if len == 0 {
@@ -1026,6 +1041,61 @@ fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
 
 /// The embedding backward (f32 out, tied init, repeated ids) on CUDA against the CPU: the same
 /// f32 additions in the same order, so bit-exact.
+/// Context parallelism's key-gradient scatter at Qwen3-4B CP 2 (one 8192-token sequence in
+/// zigzag chunks of 2048: rank 0's chunks 0 and 3 attend 2048 and 8192 keys of the all-gathered
+/// rows, chunk order 0, 3 | 1, 2), 8 KV heads: `index_add_rows` against candle's `index_add` on
+/// the device, bit for bit (the same bf16 adds in the same order), and against the CPU; then a
+/// 2-row case with unused destination rows and a view that starts off a 16-byte boundary.
+fn cp2_key_index() -> Vec<u32> {
+    let c = 2048u32;
+    // all-gathered rows of global chunk g: chunk 0 -> 0, 3 -> 1, 1 -> 2, 2 -> 3 (in units of c)
+    let at = [0u32, 2, 3, 1];
+    let mut index: Vec<u32> = (0..c).collect();
+    for g in 0..4u32 {
+        index.extend((0..c).map(|i| at[g as usize] * c + i));
+    }
+    index
+}
+
+fn check_index_add_rows(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let index = cp2_key_index();
+    let n = index.len();
+    let src = rng.randn(&[n, 8, 128], 1.0, DType::BF16, gpu)?;
+    let got = vime_kernels::rows::index_add_rows(&src, &index, 8192)?;
+    let ids = Tensor::new(index.as_slice(), gpu)?;
+    let candle = Tensor::zeros((8192, 8, 128), DType::BF16, gpu)?.index_add(&ids, &src, 0)?;
+    let cpu = vime_kernels::rows::index_add_rows(&src.to_device(&Device::Cpu)?, &index, 8192)?;
+    let bits = |t: &Tensor| -> Result<Vec<u16>> {
+        Ok(t.flatten_all()?
+            .to_device(&Device::Cpu)?
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .map(|x| x.to_bits())
+            .collect())
+    };
+    let (g, c, h) = (bits(&got)?, bits(&candle)?, bits(&cpu)?);
+    let same_gpu = g == c;
+    let same_cpu = g == h;
+    println!("index_add_rows CP 2 [{n} -> 8192, 8, 128]: bits equal to candle's index_add on the GPU: {same_gpu}, on the CPU: {same_cpu}");
+    if !same_gpu || !same_cpu || got.dims() != [8192, 8, 128] {
+        failures.push(format!(
+            "index_add_rows CP 2: bits equal to candle GPU {same_gpu}, CPU {same_cpu}, dims {:?}",
+            got.dims()
+        ));
+    }
+    // 5 source rows of 16 (a view one element in: off the 16-byte boundary) into 4 rows, row 1 unused.
+    let wide = rng.randn(&[5 * 16 + 1], 1.0, DType::BF16, gpu)?;
+    let view = wide.narrow(0, 1, 80)?.reshape((5, 16))?;
+    let small = [3u32, 0, 3, 2, 0];
+    let got = vime_kernels::rows::index_add_rows(&view, &small, 4)?;
+    let ids = Tensor::new(&small, gpu)?;
+    let want = Tensor::zeros((4, 16), DType::BF16, gpu)?.index_add(&ids, &view.contiguous()?, 0)?;
+    if bits(&got)? != bits(&want)? {
+        failures.push("index_add_rows on an unaligned view with an unused row differs from index_add".into());
+    }
+    Ok(())
+}
+
 fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let (vocab, d, t) = (151_936usize, 2560usize, 1024usize);
     // Repeats: ids from a small range half the time.

@@ -11,7 +11,7 @@
 //!   than Q at Qwen3-4B), and each local query chunk `j` of a sequence attends the sequence's
 //!   chunks `0..=j` (an index list into the gathered buffer; the kernel's bottom-right causal mask
 //!   with `L_k = (j + 1) c > L_q = c` gives each query its prefix). Backward: the attention
-//!   backward on the same keys, `dK`/`dV` scattered back into the gathered layout (`index_add`)
+//!   backward on the same keys, `dK`/`dV` scattered back into the gathered layout (`index_add_rows`)
 //!   and reduce-scattered over CP to their owners. The gathered keys are not saved: the backward
 //!   gathers them again, as sequence parallelism does.
 //! - Everything else in the model is token-local: a CP rank's gradients are its tokens' share,
@@ -193,10 +193,7 @@ impl CpShard {
         cp: &dyn Collectives,
     ) -> Result<Tensor> {
         let t = local_like.dim(0)?;
-        let mut shape = local_like.dims().to_vec();
-        shape[0] = t * self.cp;
-        let zeros = Tensor::zeros(shape.as_slice(), d_keys.dtype(), d_keys.device())?;
-        let all = zeros.index_add(&self.index(d_keys.device())?, d_keys, 0)?;
+        let all = vime_kernels::rows::index_add_rows(d_keys, &self.kv_index, t * self.cp)?;
         cp.reduce_scatter(&all, ReduceOp::Sum)
     }
 }
