@@ -2319,8 +2319,14 @@ pub fn rows_write(pool: &Tensor, src: &Tensor, rows: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// [`crate::rows::index_add_rows`] on the device: `src` `[n, width]` bf16 contiguous (16-byte
-/// aligned, `width % 8 == 0`; checked by the caller), `csr` the destination rows' source lists
+/// Whether a contiguous CUDA tensor's first element sits on a 16-byte boundary (a view into a
+/// buffer may not; fresh buffers do).
+pub(crate) fn aligned16(t: &Tensor) -> Result<bool> {
+    Ok(tensor_addr::<bf16>(t, "aligned16")? % 16 == 0)
+}
+
+/// [`crate::rows::index_add_rows`] on the device: `src` `[n, width]` bf16 contiguous and 16-byte
+/// aligned, `width % 8 == 0` (checked by the caller), `csr` the destination rows' source lists
 /// (`dst_rows + 1` offsets, then the `n` source rows). One thread per 8 elements of a
 /// destination row; every row is written (zeros where it has no source).
 pub(crate) fn index_add_rows(src: &Tensor, csr: &[u32], dst_rows: usize, width: usize) -> Result<Tensor> {
@@ -2333,13 +2339,7 @@ pub(crate) fn index_add_rows(src: &Tensor, csr: &[u32], dst_rows: usize, width: 
     // SAFETY: the kernel writes every element (each destination row, sources or not).
     let out = unsafe { dev.alloc::<bf16>(n_out.max(1)) }?;
     if n_out > 0 {
-        // A view that starts off a 16-byte boundary is read from a copy (fresh buffers are aligned).
-        let src = if tensor_addr::<bf16>(src, "index_add_rows")? % 16 != 0 {
-            src.copy()?
-        } else {
-            src.clone()
-        };
-        let sp = tensor_addr::<bf16>(&src, "index_add_rows")?;
+        let sp = tensor_addr::<bf16>(src, "index_add_rows")?;
         let table = upload_u32_cached(&dev, csr)?;
         let (op, cp) = (slice_addr(&out, &dev), slice_addr(&*table, &dev));
         let rows =

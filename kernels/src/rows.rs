@@ -67,7 +67,7 @@ pub fn write_rows2(k_pool: &Tensor, v_pool: &Tensor, rows: &Tensor, k: &Tensor, 
 /// `n` rows below `dst_rows`; the result has `src`'s trailing dims. Context parallelism's
 /// key-gradient scatter (`dK`/`dV` of each chunk's gathered keys back to the all-gathered rows).
 ///
-/// On CUDA bf16 (rows a multiple of 8 elements) one kernel over the destination rows, each
+/// On CUDA bf16 (rows a multiple of 8 elements, the source 16-byte aligned) one kernel over the destination rows, each
 /// walking its own sources (listed here on the host, ascending j), with candle's bf16 adds in
 /// candle's order. candle's own kernel gives each of a row's elements one thread that walks all
 /// of `index` (`width` threads in all), ~10k dependent steps each at Qwen3-4B CP 2.
@@ -84,8 +84,12 @@ pub fn index_add_rows(src: &Tensor, index: &[u32], dst_rows: usize) -> Result<Te
     let width: usize = shape[1..].iter().product();
     #[cfg(feature = "cuda")]
     if crate::cuda::fused(src.device(), src.dtype()) && width % 8 == 0 {
-        let csr = rows_by_destination(index, dst_rows);
-        return crate::cuda::index_add_rows(&src.contiguous()?, &csr, dst_rows, width)?.reshape(shape);
+        let src = src.contiguous()?;
+        // A view that starts off a 16-byte boundary (never CP's key gradients) takes candle's path.
+        if crate::cuda::aligned16(&src)? {
+            let csr = rows_by_destination(index, dst_rows);
+            return crate::cuda::index_add_rows(&src, &csr, dst_rows, width)?.reshape(shape);
+        }
     }
     let zeros = Tensor::zeros(shape.as_slice(), src.dtype(), src.device())?;
     zeros.index_add(&Tensor::from_slice(index, n, src.device())?, src, 0)

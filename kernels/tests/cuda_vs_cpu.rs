@@ -1083,15 +1083,20 @@ fn check_index_add_rows(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>)
             got.dims()
         ));
     }
-    // 5 source rows of 16 (a view one element in: off the 16-byte boundary) into 4 rows, row 1 unused.
+    // 5 source rows of 16 into 4 rows, row 1 unused: at the buffer's start (the kernel), and one
+    // element in, off the 16-byte boundary (candle's path).
     let wide = rng.randn(&[5 * 16 + 1], 1.0, DType::BF16, gpu)?;
-    let view = wide.narrow(0, 1, 80)?.reshape((5, 16))?;
     let small = [3u32, 0, 3, 2, 0];
-    let got = vime_kernels::rows::index_add_rows(&view, &small, 4)?;
-    let ids = Tensor::new(&small, gpu)?;
-    let want = Tensor::zeros((4, 16), DType::BF16, gpu)?.index_add(&ids, &view.contiguous()?, 0)?;
-    if bits(&got)? != bits(&want)? {
-        failures.push("index_add_rows on an unaligned view with an unused row differs from index_add".into());
+    for start in [0, 1] {
+        let view = wide.narrow(0, start, 80)?.reshape((5, 16))?;
+        let got = vime_kernels::rows::index_add_rows(&view, &small, 4)?;
+        let ids = Tensor::new(&small, gpu)?;
+        let want = Tensor::zeros((4, 16), DType::BF16, gpu)?.index_add(&ids, &view.contiguous()?, 0)?;
+        if bits(&got)? != bits(&want)? {
+            failures.push(format!(
+                "index_add_rows (view at element {start}, an unused row) differs from index_add"
+            ));
+        }
     }
     Ok(())
 }
