@@ -904,6 +904,36 @@ pub(crate) fn lm_head_fwd_keep(
     let wp = addr::<bf16>(w, lw, "logprobs_entropy")?;
     let tg = upload_u32(dev, targets)?;
     let tgp = slice_addr(&tg, dev);
+    let (stats, logits) = lm_head_stats(dev, hp, wp, (t, hid, v), tgp, chunk_tokens, 0, invariant, keep)?;
+    let sp = slice_addr(&stats, dev);
+    let op = slice_addr(&out, dev);
+    let t_i = i32_of("logprobs_entropy", "tokens", t)?;
+    let f = ops_fn(dev, "vime_lmhead_finish")?;
+    launch!(dev, f, cfg(grid_for(t, 256), 256), [&sp, &tgp, &op, &t_i]);
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        Shape::from((t, 3)),
+        logits,
+    ))
+}
+
+/// The statistics pass of the LM head's forward: `[T, 4]` f32 `(M, s, a, target logit)` per
+/// token over the `v` rows of `w` (`hp`, `wp`: bf16 `[T, H]` and `[V, H]`), whose first row is
+/// vocabulary id `v_offset` (a vocabulary shard's; targets are global ids, and a token whose
+/// target is outside the shard keeps 0 as its target logit). `keep`: every logits block left in
+/// one `[T * V]` f32 buffer (returned), in the order of the loops.
+#[allow(clippy::too_many_arguments)]
+fn lm_head_stats(
+    dev: &CudaDevice,
+    hp: u64,
+    wp: u64,
+    (t, hid, v): (usize, usize, usize),
+    tgp: u64,
+    chunk_tokens: usize,
+    v_offset: usize,
+    invariant: bool,
+    keep: bool,
+) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>)> {
     // (M, s, a, target logit) per row
     let init: Vec<f32> = (0..t).flat_map(|_| [f32::NEG_INFINITY, 0.0, 0.0, 0.0]).collect();
     let stats = dev.cuda_stream().clone_htod(&init).w()?;
@@ -931,7 +961,9 @@ pub(crate) fn lm_head_fwd_keep(
                 // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T
                 unsafe { gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)? };
             }
-            let (vc_i, v0_i, row0_i) = (vc as i32, v0 as i32, row0 as i32);
+            let vc_i = vc as i32;
+            let v0_i = i32_of("logprobs_entropy", "vocabulary offset", v_offset + v0)?;
+            let row0_i = row0 as i32;
             launch!(
                 dev,
                 f_stats,
@@ -940,15 +972,94 @@ pub(crate) fn lm_head_fwd_keep(
             );
         }
     }
-    let op = slice_addr(&out, dev);
-    let t_i = i32_of("logprobs_entropy", "tokens", t)?;
-    let f = ops_fn(dev, "vime_lmhead_finish")?;
-    launch!(dev, f, cfg(grid_for(t, 256), 256), [&sp, &tgp, &op, &t_i]);
-    Ok((
-        CudaStorage::wrap_cuda_slice(out, dev.clone()),
-        Shape::from((t, 3)),
-        keep.then_some(logits),
-    ))
+    Ok((stats, keep.then_some(logits)))
+}
+
+/// [`lm_head_stats`] of a vocabulary shard on tensors: `h: [T, H]`, `w: [V_shard, H]` bf16
+/// contiguous, the shard's first row vocabulary id `v_offset`. Returns `[T, 4]` f32.
+pub(crate) fn lm_head_shard_stats(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[u32],
+    v_offset: usize,
+    chunk_tokens: usize,
+) -> Result<Tensor> {
+    check_bf16("vocab-parallel LM head", &[h.dtype(), w.dtype()])?;
+    let dev = match h.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("vocab-parallel LM head: tensors must be on a CUDA device"),
+    };
+    let ((t, hid), v) = (h.dims2()?, w.dim(0)?);
+    if t == 0 {
+        return Ok(device_tensor(dev.alloc_zeros::<f32>(1)?, &dev, 0).reshape((0, 4))?);
+    }
+    let hp = tensor_addr::<bf16>(h, "vocab-parallel LM head (hidden)")?;
+    let wp = tensor_addr::<bf16>(w, "vocab-parallel LM head (weight)")?;
+    let tg = upload_u32(&dev, targets)?;
+    let (stats, _) = lm_head_stats(
+        &dev,
+        hp,
+        wp,
+        (t, hid, v),
+        slice_addr(&tg, &dev),
+        chunk_tokens,
+        v_offset,
+        false,
+        false,
+    )?;
+    Ok(device_tensor(stats, &dev, (t, 4)))
+}
+
+/// The backward of a vocabulary shard of the LM head: `(d_hidden, d_w)`, `d_hidden` `[T, H]`
+/// f32 (this shard's share, to be summed over the shards), `d_w` `[V_shard, H]` bf16. `fwd_out`:
+/// `[T, 3]` f32 (logprob, entropy, lse) over the whole vocabulary; `grad`: `[T, 3]` f32 (the
+/// gradients of logprob and entropy, then zeros). Shapes as [`lm_head_shard_stats`]'s.
+pub(crate) fn lm_head_shard_bwd(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[u32],
+    v_offset: usize,
+    fwd_out: &Tensor,
+    grad: &Tensor,
+    chunk_tokens: usize,
+) -> Result<(Tensor, Tensor)> {
+    check_bf16("vocab-parallel LM head backward", &[h.dtype(), w.dtype()])?;
+    check_head_grad(grad.dtype(), fwd_out)?;
+    let dev = match h.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("vocab-parallel LM head backward: tensors must be on a CUDA device"),
+    };
+    let ((t, hid), v) = (h.dims2()?, w.dim(0)?);
+    if t == 0 {
+        return Ok((
+            Tensor::zeros((0, hid), DType::F32, h.device())?,
+            Tensor::zeros((v, hid), DType::BF16, h.device())?,
+        ));
+    }
+    // d_hidden: the first vocabulary chunk's GEMM writes it (beta 0); d_w: the GEMMs (one token
+    // chunk) or the final cast of their f32 sum write every element.
+    let dh = unsafe { dev.alloc::<f32>(t * hid) }?;
+    let dw = unsafe { dev.alloc::<bf16>((v * hid).max(1)) }?;
+    let hp = tensor_addr::<bf16>(h, "vocab-parallel LM head backward (hidden)")?;
+    let wp = tensor_addr::<bf16>(w, "vocab-parallel LM head backward (weight)")?;
+    let gp = tensor_addr::<f32>(grad, "vocab-parallel LM head backward (gradient)")?;
+    let dims = (t, hid, v, grad.dims());
+    let (dho, dwo) = (DhOut::F32(slice_addr(&dh, &dev)), DwOut::Bf16(slice_addr(&dw, &dev)));
+    lm_head_bwd_core(
+        &dev,
+        hp,
+        wp,
+        gp,
+        fwd_out,
+        targets,
+        chunk_tokens,
+        dims,
+        dho,
+        dwo,
+        None,
+        v_offset,
+    )?;
+    Ok((device_tensor(dh, &dev, (t, hid)), device_tensor(dw, &dev, (v, hid))))
 }
 
 /// Backward: packed `[d_hidden (flat) ++ d_lm_head (flat)]`, bf16. `grad` is the gradient of the
@@ -978,7 +1089,20 @@ pub(crate) fn lm_head_bwd(
         let dhidden = slice_addr(&out, dev);
         let dw = DwOut::Bf16(dhidden + (t * hid * 2) as u64);
         let dims = (t, hid, v, lg.dims());
-        lm_head_bwd_core(dev, hp, wp, gp, fwd_out, targets, chunk_tokens, dims, dhidden, dw, None)?;
+        lm_head_bwd_core(
+            dev,
+            hp,
+            wp,
+            gp,
+            fwd_out,
+            targets,
+            chunk_tokens,
+            dims,
+            DhOut::Bf16(dhidden),
+            dw,
+            None,
+            0,
+        )?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -1047,9 +1171,10 @@ pub(crate) fn lm_head_bwd_into(
             targets,
             chunk_tokens,
             dims,
-            slice_addr(&out, &dev),
+            DhOut::Bf16(slice_addr(&out, &dev)),
             dw,
             kept,
+            0,
         )?;
     }
     Ok(device_tensor(out, &dev, (t, hid)))
@@ -1071,6 +1196,14 @@ enum DwOut {
     F32Sum(u64),
 }
 
+/// Where the LM head's backward puts `d_hidden`: bf16 (cast from the f32 sum over vocabulary
+/// chunks), or that f32 sum itself (a vocabulary shard's share, summed over the shards next).
+#[derive(Clone, Copy)]
+enum DhOut {
+    Bf16(u64),
+    F32(u64),
+}
+
 /// The chunked GEMMs of the LM head's backward. `dims`: (T, H, V, the gradient's dims); `dhidden`
 /// receives `d_hidden` in bf16 (f32-accumulated over vocabulary chunks). `kept`: the forward's
 /// logits ([`lm_head_fwd_keep`]), read instead of computed again; the same bits, since the
@@ -1085,9 +1218,10 @@ fn lm_head_bwd_core(
     targets: &[u32],
     chunk_tokens: usize,
     dims: (usize, usize, usize, &[usize]),
-    dhidden: u64,
+    dhidden: DhOut,
     dw: DwOut,
     kept: Option<u64>,
+    v_offset: usize,
 ) -> Result<()> {
     let (t, hid, v, gdims) = dims;
     if gdims != [t, 3] || fwd_out.dims() != [t, 3] {
@@ -1102,8 +1236,15 @@ fn lm_head_bwd_core(
     let tgp = slice_addr(&tg, dev);
     // d_hidden's f32 sum over vocabulary chunks: the first chunk's GEMM writes it (beta 0), so it
     // needs no zero fill.
-    let dh_acc = unsafe { dev.alloc::<f32>((t * hid).max(1)) }?;
-    let dhp = slice_addr(&dh_acc, dev);
+    let dh_acc = match dhidden {
+        DhOut::Bf16(_) => Some(unsafe { dev.alloc::<f32>((t * hid).max(1)) }?),
+        DhOut::F32(_) => None,
+    };
+    let dhp = match (dhidden, &dh_acc) {
+        (DhOut::F32(p), _) => p,
+        (DhOut::Bf16(_), Some(acc)) => slice_addr(acc, dev),
+        (DhOut::Bf16(_), None) => unreachable!("allocated above"),
+    };
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
     // The recomputed logits' block (unused when they are kept).
@@ -1137,7 +1278,9 @@ fn lm_head_bwd_core(
                     lp
                 }
             };
-            let (vc_i, v0_i, row0_i) = (vc as i32, v0 as i32, row0 as i32);
+            let vc_i = vc as i32;
+            let v0_i = i32_of("logprobs_entropy backward", "vocabulary offset", v_offset + v0)?;
+            let row0_i = row0 as i32;
             launch!(
                 dev,
                 f_dz,
@@ -1176,8 +1319,10 @@ fn lm_head_bwd_core(
         }
     }
     let f = ops_fn(dev, "vime_f32_to_bf16")?;
-    let n_h = (t * hid) as u64;
-    launch!(dev, f, cfg(grid_for(t * hid, 256), 256), [&dhp, &dhidden, &n_h]);
+    if let DhOut::Bf16(dhidden) = dhidden {
+        let n_h = (t * hid) as u64;
+        launch!(dev, f, cfg(grid_for(t * hid, 256), 256), [&dhp, &dhidden, &n_h]);
+    }
     if let (Some(acc), DwOut::Bf16(dwp)) = (&dw_acc, dw) {
         let ap = slice_addr(acc, dev);
         let n_w = (v * hid) as u64;

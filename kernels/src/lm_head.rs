@@ -288,6 +288,105 @@ pub fn logprobs_entropy_backward_into(
     Ok((dh, total))
 }
 
+/// A vocabulary shard's statistics for the vocabulary-parallel LM head, on the fused CUDA kernels
+/// (bf16 `hidden [T, H]` and `w_shard [V_shard, H]` on CUDA, the shard's first row vocabulary id
+/// `v_offset`, `targets` global ids): `[T, 4]` f32 per token, `(M, s, a, z_t)` with `M` the
+/// shard's largest logit, `s = sum exp(z - M)`, `a = sum exp(z - M) (z - M)` and `z_t` the
+/// target's logit where the shard holds it (0 elsewhere). Merged over the shards in any order
+/// (`m = max M_r`, `s = sum s_r e^(M_r - m)`, `a = sum (a_r + (M_r - m) s_r) e^(M_r - m)`,
+/// `z_t = sum z_t,r`), `lse = m + ln s`, `logp = z_t - lse` and `H = ln s - a / s`. `None` where
+/// the kernels do not apply (other devices or dtypes): the caller composes the op.
+pub fn shard_stats(
+    hidden: &Tensor,
+    w_shard: &Tensor,
+    targets: &[u32],
+    v_offset: usize,
+    chunk_tokens: usize,
+) -> Result<Option<Tensor>> {
+    if !shard_kernels(hidden, w_shard) {
+        return Ok(None);
+    }
+    shard_check(hidden, w_shard, targets, chunk_tokens)?;
+    #[cfg(feature = "cuda")]
+    let out = {
+        let (h, w) = (hidden.contiguous()?, w_shard.contiguous()?);
+        crate::cuda::lm_head_shard_stats(&h, &w, targets, v_offset, chunk_tokens).map(Some)
+    };
+    #[cfg(not(feature = "cuda"))]
+    let out = {
+        let _ = v_offset;
+        Ok(None)
+    };
+    out
+}
+
+/// The backward of a vocabulary shard ([`shard_stats`]' kernels): `(d_hidden, d_w_shard)` for the
+/// gradients `d_logprobs`, `d_entropy` (`[T]`) of the whole-vocabulary outputs whose `lse` and
+/// `entropy` (`[T]` f32) the merged statistics gave. `d_hidden` is `[T, H]` f32, this shard's
+/// share (to be summed over the shards); `d_w_shard` `[V_shard, H]` bf16. `None` where the kernels
+/// do not apply.
+#[allow(clippy::too_many_arguments)]
+pub fn shard_backward(
+    hidden: &Tensor,
+    w_shard: &Tensor,
+    targets: &[u32],
+    v_offset: usize,
+    lse: &Tensor,
+    entropy: &Tensor,
+    d_logprobs: &Tensor,
+    d_entropy: &Tensor,
+    chunk_tokens: usize,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if !shard_kernels(hidden, w_shard) {
+        return Ok(None);
+    }
+    shard_check(hidden, w_shard, targets, chunk_tokens)?;
+    let t = targets.len();
+    for (what, x) in [
+        ("lse", lse),
+        ("entropy", entropy),
+        ("d_logprobs", d_logprobs),
+        ("d_entropy", d_entropy),
+    ] {
+        if x.dims() != [t] {
+            bail!("vocab-parallel LM head backward: {what} is {:?}, not [{t}]", x.dims());
+        }
+    }
+    let f = |x: &Tensor| x.to_dtype(candle_core::DType::F32);
+    let zeros = Tensor::zeros(t, candle_core::DType::F32, hidden.device())?;
+    // The kernel's saved-output layout (logprob, entropy, lse); the backward reads the last two.
+    let fwd_out = Tensor::stack(&[zeros.clone(), f(entropy)?, f(lse)?], 1)?;
+    let grad = Tensor::stack(&[f(d_logprobs)?, f(d_entropy)?, zeros], 1)?;
+    #[cfg(feature = "cuda")]
+    let out = {
+        let (h, w) = (hidden.contiguous()?, w_shard.contiguous()?);
+        crate::cuda::lm_head_shard_bwd(&h, &w, targets, v_offset, &fwd_out, &grad, chunk_tokens).map(Some)
+    };
+    #[cfg(not(feature = "cuda"))]
+    let out = {
+        let _ = (v_offset, fwd_out, grad);
+        Ok(None)
+    };
+    out
+}
+
+/// Whether the vocabulary-shard kernels run: bf16 `hidden` and weight, both on one CUDA device.
+fn shard_kernels(hidden: &Tensor, w_shard: &Tensor) -> bool {
+    crate::fused_cuda(hidden.device(), hidden.dtype())
+        && w_shard.dtype() == hidden.dtype()
+        && hidden.device().same_device(w_shard.device())
+}
+
+fn shard_check(hidden: &Tensor, w_shard: &Tensor, targets: &[u32], chunk_tokens: usize) -> Result<()> {
+    match (hidden.dims(), w_shard.dims()) {
+        (&[t, h], &[v, hw]) if hw == h && targets.len() == t && v > 0 && chunk_tokens > 0 => Ok(()),
+        (a, b) => bail!(
+            "vocab-parallel LM head: bad shapes hidden {a:?}, shard {b:?} for {} targets, chunk {chunk_tokens}",
+            targets.len()
+        ),
+    }
+}
+
 #[derive(Debug, Clone)]
 struct LmHead {
     targets: Arc<[u32]>,

@@ -81,6 +81,7 @@ pub fn index_add_rows(src: &Tensor, index: &[u32], dst_rows: usize) -> Result<Te
     }
     let mut shape = src.dims().to_vec();
     shape[0] = dst_rows;
+    #[cfg(feature = "cuda")]
     let width: usize = shape[1..].iter().product();
     #[cfg(feature = "cuda")]
     if crate::cuda::fused(src.device(), src.dtype()) && width % 8 == 0 {
@@ -98,6 +99,7 @@ pub fn index_add_rows(src: &Tensor, index: &[u32], dst_rows: usize) -> Result<Te
 /// Each destination row's sources, ascending: `dst_rows + 1` offsets, then the source rows
 /// (a counting sort of `index`, stable, so every row lists its sources in the order of `index`).
 /// Every index is below `dst_rows` (checked by the caller).
+#[cfg(any(feature = "cuda", test))]
 fn rows_by_destination(index: &[u32], dst_rows: usize) -> Vec<u32> {
     let mut csr = vec![0u32; dst_rows + 1 + index.len()];
     for &r in index {

@@ -468,11 +468,15 @@ impl Qwen3 {
             .collect()
     }
 
-    /// Tokens per chunk of the vocab-parallel LM head (composed of candle ops, with a few f32
-    /// `[chunk, V / tp]` temporaries live at once, unlike the fused kernel's one): at most 2^24
-    /// local logits (64 MiB f32) per chunk, and at most [`Self::set_logits_chunk_tokens`]'s value.
-    /// Qwen3-4B at TP 2: 220 tokens per chunk.
+    /// Tokens per chunk of the vocab-parallel LM head. On the fused CUDA kernels (bf16), the LM
+    /// head's own chunk ([`Self::set_logits_chunk_tokens`]): they also split the vocabulary, so one
+    /// `[chunk, 16384]` f32 block is live. Composed of candle ops (CPU, f32), a few f32
+    /// `[chunk, V / tp]` temporaries are live at once: at most 2^24 local logits (64 MiB f32) per
+    /// chunk, and at most the head's chunk (Qwen3-4B at TP 2: 220 tokens per chunk).
     fn vocab_parallel_chunk(&self) -> usize {
+        if vime_kernels::fused_cuda(self.embed.device(), self.embed.dtype()) {
+            return self.logits_chunk_tokens;
+        }
         let local = (self.cfg.vocab_size / self.tp.size.max(1)).max(1);
         self.logits_chunk_tokens.min(((1usize << 24) / local).clamp(16, 4096))
     }

@@ -13,14 +13,19 @@
 //!   is summed over the TP group (the hidden state is replicated across it).
 //!
 //! Decisions:
-//! - Composed of candle ops in f32 (f64 for f64 inputs), `chunk_tokens` rows of logits at a time,
-//!   the logits recomputed in the backward (only `lse` and `H` are saved): the same memory shape as
-//!   the fused unsharded kernel (`vime_kernels::logprobs_entropy`), which this is tested against.
-//!   It runs wherever candle does (CPU and CUDA); a fused CUDA form is later work.
+//! - On CUDA with bf16 inputs, the fused LM-head kernels of the unsharded head run on the shard
+//!   (`vime_kernels::lm_head::shard_stats` / `shard_backward`: bf16 GEMMs into f32 logits blocks,
+//!   one-pass statistics, the same `dz` kernel), and the per-shard statistics are merged here. Its
+//!   collectives: one all-gather of `[T, 4]` forward, one all-reduce of the f32 `d_hidden`
+//!   backward. The logits are recomputed in the backward.
+//! - Elsewhere (CPU, f32/f64): composed of candle ops in f32 (f64 for f64 inputs), `chunk_tokens`
+//!   rows of logits at a time, the logits recomputed in the backward (only `lse` and `H` are
+//!   saved): the same memory shape as the fused unsharded kernel (`vime_kernels::logprobs_entropy`),
+//!   which both forms are tested against.
 //! - Targets are global vocabulary ids (`IGNORE_TARGET` rows give log-prob 0 and no log-prob
 //!   gradient, as the unsharded kernel); a rank holds `[offset, offset + V / tp)`.
-//! - The forward is two collectives per chunk (a max, then one sum of `[rows, 3]`), the backward
-//!   one (the `d_hidden` sum).
+//! - The composed forward is two collectives per chunk (a max, then one sum of `[rows, 3]`), the
+//!   backward one (the `d_hidden` sum).
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, D};
 use vime_dist::{Collectives, ReduceOp};
@@ -124,6 +129,23 @@ pub fn vocab_parallel_logprobs_entropy(
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor, VocabParallelSaved)> {
     check(hidden, lm_head, targets, shard)?;
+    if let Some(stats) = vime_kernels::lm_head::shard_stats(hidden, lm_head, targets, shard.offset, chunk_tokens)? {
+        return merged_shard_stats(&stats, targets, tp);
+    }
+    vocab_parallel_logprobs_entropy_composed(hidden, lm_head, targets, shard, tp, chunk_tokens)
+}
+
+/// [`vocab_parallel_logprobs_entropy`] composed of candle ops, on every device and dtype (what
+/// runs where the fused kernels do not; public as the CUDA path's reference).
+pub fn vocab_parallel_logprobs_entropy_composed(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &[u32],
+    shard: &VocabShard,
+    tp: &dyn Collectives,
+    chunk_tokens: usize,
+) -> Result<(Tensor, Tensor, VocabParallelSaved)> {
+    check(hidden, lm_head, targets, shard)?;
     let acc = acc_dtype(hidden.dtype());
     let w = lm_head.to_dtype(acc)?;
     let t = hidden.dim(0)?;
@@ -170,10 +192,96 @@ pub fn vocab_parallel_logprobs_entropy(
     Ok((cat(lps)?, entropy, saved))
 }
 
+/// The fused kernels' per-shard statistics (`vime_kernels::lm_head::shard_stats`, `[T, 4]`)
+/// merged over the TP group: every rank's gathered (one collective) and combined in rank order,
+/// so every rank gets the same bits. Returns what [`vocab_parallel_logprobs_entropy`] does, f32.
+fn merged_shard_stats(
+    stats: &Tensor,
+    targets: &[u32],
+    tp: &dyn Collectives,
+) -> Result<(Tensor, Tensor, VocabParallelSaved)> {
+    let t = targets.len();
+    let all = tp.all_gather(&stats.contiguous()?)?.reshape((tp.size(), t, 4))?;
+    let col = |r: usize, c: usize| -> Result<Tensor> { Ok(all.get(r)?.narrow(1, c, 1)?.squeeze(1)?) };
+    let mut m = col(0, 0)?;
+    for r in 1..tp.size() {
+        m = m.maximum(&col(r, 0)?)?;
+    }
+    let (mut s, mut a, mut zt) = (m.zeros_like()?, m.zeros_like()?, m.zeros_like()?);
+    for r in 0..tp.size() {
+        let (mr, sr, ar) = (col(r, 0)?, col(r, 1)?, col(r, 2)?);
+        let d = (&mr - &m)?;
+        let f = d.exp()?;
+        s = (s + (&sr * &f)?)?;
+        a = (a + ((ar + (d * &sr)?)? * &f)?)?;
+        zt = (zt + col(r, 3)?)?;
+    }
+    let ls = s.log()?;
+    let lse = (&m + &ls)?;
+    let entropy = (ls - (a / &s)?)?;
+    let keep: Vec<f32> = targets.iter().map(|&x| (x != IGNORE_TARGET) as u8 as f32).collect();
+    let keep = Tensor::from_vec(keep, t, stats.device())?;
+    let logprobs = ((zt - &lse)? * keep)?;
+    let saved = VocabParallelSaved {
+        lse,
+        entropy: entropy.clone(),
+    };
+    Ok((logprobs, entropy, saved))
+}
+
 /// Gradients of `sum(g_lp * logp + g_ent * H)`: `(d_hidden [T, H], d_lm_head_slice [V/tp, H])` in
 /// the inputs' dtypes; `d_hidden` is already summed over the TP group.
 #[allow(clippy::too_many_arguments)]
 pub fn vocab_parallel_logprobs_entropy_backward(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &[u32],
+    shard: &VocabShard,
+    saved: &VocabParallelSaved,
+    g_lp: &Tensor,
+    g_ent: &Tensor,
+    tp: &dyn Collectives,
+    chunk_tokens: usize,
+) -> Result<(Tensor, Tensor)> {
+    check(hidden, lm_head, targets, shard)?;
+    let t = hidden.dim(0)?;
+    ensure!(
+        g_lp.dims() == [t] && g_ent.dims() == [t],
+        "gradients {:?} / {:?} for {t} tokens",
+        g_lp.dims(),
+        g_ent.dims()
+    );
+    if let Some((dh, dw)) = vime_kernels::lm_head::shard_backward(
+        hidden,
+        lm_head,
+        targets,
+        shard.offset,
+        &saved.lse,
+        &saved.entropy,
+        g_lp,
+        g_ent,
+        chunk_tokens,
+    )? {
+        let dh = tp.all_reduce(&dh, ReduceOp::Sum)?;
+        return Ok((dh.to_dtype(hidden.dtype())?, dw));
+    }
+    vocab_parallel_logprobs_entropy_backward_composed(
+        hidden,
+        lm_head,
+        targets,
+        shard,
+        saved,
+        g_lp,
+        g_ent,
+        tp,
+        chunk_tokens,
+    )
+}
+
+/// [`vocab_parallel_logprobs_entropy_backward`] composed of candle ops (see
+/// [`vocab_parallel_logprobs_entropy_composed`]).
+#[allow(clippy::too_many_arguments)]
+pub fn vocab_parallel_logprobs_entropy_backward_composed(
     hidden: &Tensor,
     lm_head: &Tensor,
     targets: &[u32],
