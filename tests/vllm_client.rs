@@ -818,12 +818,16 @@ fn check_engines_passes_on_vime_serve_direct_and_through_the_router() {
         eprintln!("{} {} {}", o.check, o.status, o.detail);
     }
     let got = statuses(&outcomes);
-    // vime-serve does not hold its running engine call: pause_keep fails (requests finish while
-    // paused). pause_abort passes: queued requests are aborted at once and the running call at its
-    // next decode step, each with the tokens it has (`GenControl::abort`).
+    // vime-serve does not hold its running engine call: pause_keep fails when the requests are in
+    // that call as the pause comes (they finish while paused). On a loaded machine some of them
+    // may still be queued when the pause lands after the call: those wait for the resume, and the
+    // check passes (seen once in a fresh-clone CI run sharing its 2 cores with builds). Either
+    // way the detail must say what happened. pause_abort passes: queued requests are aborted at
+    // once and the running call at its next decode step, each with the tokens it has
+    // (`GenControl::abort`).
     for (c, s) in &got {
         let ok: &[&str] = match *c {
-            "pause_keep" => &["fail"],
+            "pause_keep" => &["fail", "pass"],
             _ => &["pass"],
         };
         assert!(
@@ -834,11 +838,16 @@ fn check_engines_passes_on_vime_serve_direct_and_through_the_router() {
     }
     assert_eq!(got.len(), vime_rollout::check::CHECKS.len(), "every check ran: {got:?}");
     let detail = |c: &str| outcomes.iter().find(|o| o.check == c).unwrap().detail.clone();
-    assert!(
-        detail("pause_keep").contains("requests finished while paused"),
-        "{}",
-        detail("pause_keep")
-    );
+    let keep = outcomes.iter().find(|o| o.check == "pause_keep").unwrap();
+    if keep.status == "fail" {
+        assert!(
+            keep.detail.contains("requests finished while paused"),
+            "{}",
+            keep.detail
+        );
+    } else {
+        assert!(keep.detail.contains("16 full, 0 aborted"), "{}", keep.detail);
+    }
     let abort = detail("pause_abort");
     assert!(abort.contains("aborted; paused at"), "{abort}");
     assert!(detail("router").contains(&a.url) && detail("router").contains(&b.url));

@@ -991,7 +991,7 @@ pub(crate) fn lm_head_shard_stats(
     };
     let ((t, hid), v) = (h.dims2()?, w.dim(0)?);
     if t == 0 {
-        return Ok(device_tensor(dev.alloc_zeros::<f32>(1)?, &dev, 0).reshape((0, 4))?);
+        return device_tensor(dev.alloc_zeros::<f32>(1)?, &dev, 0).reshape((0, 4));
     }
     let hp = tensor_addr::<bf16>(h, "vocab-parallel LM head (hidden)")?;
     let wp = tensor_addr::<bf16>(w, "vocab-parallel LM head (weight)")?;

@@ -84,7 +84,7 @@ pub fn index_add_rows(src: &Tensor, index: &[u32], dst_rows: usize) -> Result<Te
     #[cfg(feature = "cuda")]
     let width: usize = shape[1..].iter().product();
     #[cfg(feature = "cuda")]
-    if crate::cuda::fused(src.device(), src.dtype()) && width % 8 == 0 {
+    if crate::cuda::fused(src.device(), src.dtype()) && width.is_multiple_of(8) {
         let src = src.contiguous()?;
         // A view that starts off a 16-byte boundary (never CP's key gradients) takes candle's path.
         if crate::cuda::aligned16(&src)? {

@@ -229,6 +229,26 @@ fn merged_shard_stats(
     Ok((logprobs, entropy, saved))
 }
 
+/// The backward's inputs checked ([`check`], and one gradient per token): returns T.
+fn check_backward(
+    hidden: &Tensor,
+    lm_head: &Tensor,
+    targets: &[u32],
+    shard: &VocabShard,
+    g_lp: &Tensor,
+    g_ent: &Tensor,
+) -> Result<usize> {
+    check(hidden, lm_head, targets, shard)?;
+    let t = hidden.dim(0)?;
+    ensure!(
+        g_lp.dims() == [t] && g_ent.dims() == [t],
+        "gradients {:?} / {:?} for {t} tokens",
+        g_lp.dims(),
+        g_ent.dims()
+    );
+    Ok(t)
+}
+
 /// Gradients of `sum(g_lp * logp + g_ent * H)`: `(d_hidden [T, H], d_lm_head_slice [V/tp, H])` in
 /// the inputs' dtypes; `d_hidden` is already summed over the TP group.
 #[allow(clippy::too_many_arguments)]
@@ -243,14 +263,7 @@ pub fn vocab_parallel_logprobs_entropy_backward(
     tp: &dyn Collectives,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
-    check(hidden, lm_head, targets, shard)?;
-    let t = hidden.dim(0)?;
-    ensure!(
-        g_lp.dims() == [t] && g_ent.dims() == [t],
-        "gradients {:?} / {:?} for {t} tokens",
-        g_lp.dims(),
-        g_ent.dims()
-    );
+    check_backward(hidden, lm_head, targets, shard, g_lp, g_ent)?;
     if let Some((dh, dw)) = vime_kernels::lm_head::shard_backward(
         hidden,
         lm_head,
@@ -292,16 +305,9 @@ pub fn vocab_parallel_logprobs_entropy_backward_composed(
     tp: &dyn Collectives,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
-    check(hidden, lm_head, targets, shard)?;
+    let t = check_backward(hidden, lm_head, targets, shard, g_lp, g_ent)?;
     let acc = acc_dtype(hidden.dtype());
     let w = lm_head.to_dtype(acc)?;
-    let t = hidden.dim(0)?;
-    ensure!(
-        g_lp.dims() == [t] && g_ent.dims() == [t],
-        "gradients {:?} / {:?} for {t} tokens",
-        g_lp.dims(),
-        g_ent.dims()
-    );
     let chunk = chunk_tokens.max(1);
     let mut d_hidden = Vec::new();
     let mut d_w = Tensor::zeros(w.dims(), acc, hidden.device())?;
