@@ -26,3 +26,19 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
 }
 
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __float2bfloat16(f); }
+
+// Pairs, and the add of two bf16 values rounded once to bf16 (the device's add.rn.bf16x2: the
+// float sum of two bf16 values rounds to the same bf16 as the exact sum). For
+// vime_index_add_rows_bf16, which the simulator compiles but does not run yet.
+struct alignas(4) __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return __nv_bfloat162{__float2bfloat16(a), __float2bfloat16(b)};
+}
+
+inline __nv_bfloat162 __hadd2(__nv_bfloat162 a, __nv_bfloat162 b) {
+    return __nv_bfloat162{__float2bfloat16(__bfloat162float(a.x) + __bfloat162float(b.x)),
+                          __float2bfloat16(__bfloat162float(a.y) + __bfloat162float(b.y))};
+}
