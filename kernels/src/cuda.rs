@@ -985,13 +985,10 @@ pub(crate) fn lm_head_shard_stats(
     chunk_tokens: usize,
 ) -> Result<Tensor> {
     check_bf16("vocab-parallel LM head", &[h.dtype(), w.dtype()])?;
-    let dev = match h.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("vocab-parallel LM head: tensors must be on a CUDA device"),
-    };
+    let dev = cuda_dev(h, "vocab-parallel LM head")?;
     let ((t, hid), v) = (h.dims2()?, w.dim(0)?);
     if t == 0 {
-        return device_tensor(dev.alloc_zeros::<f32>(1)?, &dev, 0).reshape((0, 4));
+        return Tensor::zeros((0, 4), DType::F32, h.device());
     }
     let hp = tensor_addr::<bf16>(h, "vocab-parallel LM head (hidden)")?;
     let wp = tensor_addr::<bf16>(w, "vocab-parallel LM head (weight)")?;
@@ -1025,10 +1022,7 @@ pub(crate) fn lm_head_shard_bwd(
 ) -> Result<(Tensor, Tensor)> {
     check_bf16("vocab-parallel LM head backward", &[h.dtype(), w.dtype()])?;
     check_head_grad(grad.dtype(), fwd_out)?;
-    let dev = match h.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("vocab-parallel LM head backward: tensors must be on a CUDA device"),
-    };
+    let dev = cuda_dev(h, "vocab-parallel LM head backward")?;
     let ((t, hid), v) = (h.dims2()?, w.dim(0)?);
     if t == 0 {
         return Ok((
@@ -1236,14 +1230,13 @@ fn lm_head_bwd_core(
     let tgp = slice_addr(&tg, dev);
     // d_hidden's f32 sum over vocabulary chunks: the first chunk's GEMM writes it (beta 0), so it
     // needs no zero fill.
-    let dh_acc = match dhidden {
-        DhOut::Bf16(_) => Some(unsafe { dev.alloc::<f32>((t * hid).max(1)) }?),
-        DhOut::F32(_) => None,
-    };
-    let dhp = match (dhidden, &dh_acc) {
-        (DhOut::F32(p), _) => p,
-        (DhOut::Bf16(_), Some(acc)) => slice_addr(acc, dev),
-        (DhOut::Bf16(_), None) => unreachable!("allocated above"),
+    let (_dh_acc, dhp) = match dhidden {
+        DhOut::F32(p) => (None, p),
+        DhOut::Bf16(_) => {
+            let acc = unsafe { dev.alloc::<f32>((t * hid).max(1)) }?;
+            let p = slice_addr(&acc, dev);
+            (Some(acc), p)
+        }
     };
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
@@ -1441,7 +1434,8 @@ pub(crate) fn flash_fwd(
         if let Some(plan) = cudnn_plan(kernels, cu_q, cu_k, h, lk.dims()[1], lq.dims()[2])? {
             // cuDNN writes every row of a covering plan: no zero fill (33.5 MB of O a layer at
             // Qwen3-0.6B's 8192 tokens). The flash fallback below gets fresh zeroed buffers.
-            let (out, lse) = attention_outputs(dev, tq * h * 128, h * tq, plan.covers)?;
+            let out = attention_buffer::<bf16>(dev, tq * h * 128, plan.covers)?;
+            let lse = attention_buffer::<f32>(dev, h * tq, plan.covers)?;
             let ptrs = crate::cudnn::Ptrs {
                 q: addr::<bf16>(q, lq, "varlen_attention")?,
                 k: addr::<bf16>(k, lk, "varlen_attention")?,
@@ -1476,24 +1470,20 @@ pub(crate) fn flash_fwd(
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lq.shape().clone()))
 }
 
-/// The forward's output (bf16) and log-sum-exp (f32) buffers: left unfilled where the kernel
-/// writes every element (`written`), zero-filled otherwise.
+/// An attention output buffer of `n` elements (at least 1): left unfilled where the kernel writes
+/// every element (`written`: cuDNN on a plan that covers every row), zero-filled otherwise.
 #[cfg(feature = "cudnn")]
-fn attention_outputs(
+fn attention_buffer<T: DeviceRepr + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits>(
     dev: &CudaDevice,
-    n_out: usize,
-    n_lse: usize,
+    n: usize,
     written: bool,
-) -> Result<(CudaSlice<bf16>, CudaSlice<f32>)> {
+) -> Result<CudaSlice<T>> {
     if written {
-        // SAFETY: plain device memory of a Copy type, all of it written by cuDNN's forward
-        // before anything reads it.
-        Ok(unsafe { (dev.alloc::<bf16>(n_out.max(1))?, dev.alloc::<f32>(n_lse.max(1))?) })
+        // SAFETY: plain device memory of a Copy type, all of it written by the kernel before
+        // anything reads it.
+        unsafe { dev.alloc::<T>(n.max(1)) }
     } else {
-        Ok((
-            dev.alloc_zeros::<bf16>(n_out.max(1))?,
-            dev.alloc_zeros::<f32>(n_lse.max(1))?,
-        ))
+        dev.alloc_zeros::<T>(n.max(1))
     }
 }
 
@@ -1618,12 +1608,7 @@ pub(crate) fn flash_bwd(
     #[cfg(feature = "cudnn")]
     if let Some(plan) = plan {
         // dQ, dK and dV of a covering plan: every row written (67 MB a layer at Qwen3-0.6B).
-        let packed = if plan.covers {
-            // SAFETY: cuDNN's backward writes all nq + 2 nk elements before anything reads them.
-            unsafe { dev.alloc::<bf16>((nq + 2 * nk).max(1)) }?
-        } else {
-            dev.alloc_zeros::<bf16>((nq + 2 * nk).max(1))?
-        };
+        let packed = attention_buffer::<bf16>(dev, nq + 2 * nk, plan.covers)?;
         let dqp = slice_addr(&packed, dev);
         let ptrs = crate::cudnn::Ptrs {
             q: addr::<bf16>(q, lq, "varlen_attention backward")?,
@@ -2475,10 +2460,7 @@ pub(crate) fn aligned16(t: &Tensor) -> Result<bool> {
 /// (`dst_rows + 1` offsets, then the `n` source rows). One thread per 8 elements of a
 /// destination row; every row is written (zeros where it has no source).
 pub(crate) fn index_add_rows(src: &Tensor, csr: &[u32], dst_rows: usize, width: usize) -> Result<Tensor> {
-    let dev = match src.device() {
-        candle_core::Device::Cuda(d) => d.clone(),
-        _ => bail!("index_add_rows: the source must be on a CUDA device"),
-    };
+    let dev = cuda_dev(src, "index_add_rows")?;
     check_bf16("index_add_rows", &[src.dtype()])?;
     let n_out = dst_rows * width;
     // SAFETY: the kernel writes every element (each destination row, sources or not).

@@ -342,21 +342,17 @@ pub fn shard_backward(
     }
     shard_check(hidden, w_shard, targets, chunk_tokens)?;
     let t = targets.len();
-    for (what, x) in [
-        ("lse", lse),
-        ("entropy", entropy),
-        ("d_logprobs", d_logprobs),
-        ("d_entropy", d_entropy),
-    ] {
+    for (what, x) in [("lse", lse), ("entropy", entropy)] {
         if x.dims() != [t] {
             bail!("vocab-parallel LM head backward: {what} is {:?}, not [{t}]", x.dims());
         }
     }
     let f = |x: &Tensor| x.to_dtype(candle_core::DType::F32);
-    let zeros = Tensor::zeros(t, candle_core::DType::F32, hidden.device())?;
     // The kernel's saved-output layout (logprob, entropy, lse); the backward reads the last two.
-    let fwd_out = Tensor::stack(&[zeros.clone(), f(entropy)?, f(lse)?], 1)?;
-    let grad = Tensor::stack(&[f(d_logprobs)?, f(d_entropy)?, zeros], 1)?;
+    let zeros = Tensor::zeros(t, candle_core::DType::F32, hidden.device())?;
+    let fwd_out = Tensor::stack(&[zeros, f(entropy)?, f(lse)?], 1)?;
+    // Checks the gradients' shapes too.
+    let grad = output_grad(&fwd_out, d_logprobs, d_entropy)?;
     #[cfg(feature = "cuda")]
     let out = {
         let (h, w) = (hidden.contiguous()?, w_shard.contiguous()?);

@@ -354,9 +354,11 @@ fn check_cudnn_determinism(gpu: &Device, rng: &mut Rng, failures: &mut Vec<Strin
 }
 
 /// cuDNN's attention writes every element of the buffers it gets unfilled (O and the statistics
-/// forward, dQ/dK/dV backward, on a plan whose sequences cover every row): with the device's
-/// memory pool holding NaN from just-freed buffers of the same sizes, a deterministic forward and
-/// backward give the bits of a run on clean memory, on the dense and on the ragged layout.
+/// forward, dQ/dK/dV backward, on a plan whose sequences cover every row): after freeing buffers
+/// of NaN of the sizes the calls allocate (which the device's stream-ordered memory pool is likely,
+/// not certain, to hand back to them), a deterministic forward and backward give the bits of a run
+/// on clean memory, on the dense and on the ragged layout. A row cuDNN left unwritten would show
+/// as NaN or as another run's stale values.
 #[cfg(feature = "cudnn")]
 fn check_cudnn_unfilled_outputs(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let bf = DType::BF16;
@@ -1039,13 +1041,9 @@ fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
     Ok(())
 }
 
-/// The embedding backward (f32 out, tied init, repeated ids) on CUDA against the CPU: the same
-/// f32 additions in the same order, so bit-exact.
-/// Context parallelism's key-gradient scatter at Qwen3-4B CP 2 (one 8192-token sequence in
-/// zigzag chunks of 2048: rank 0's chunks 0 and 3 attend 2048 and 8192 keys of the all-gathered
-/// rows, chunk order 0, 3 | 1, 2), 8 KV heads: `index_add_rows` against candle's `index_add` on
-/// the device, bit for bit (the same bf16 adds in the same order), and against the CPU; then a
-/// 2-row case with unused destination rows and a view that starts off a 16-byte boundary.
+/// The gathered-key index of Qwen3-4B CP 2's rank 0 (one 8192-token sequence in zigzag chunks of
+/// 2048; rank 0 holds chunks 0 and 3, the all-gathered rows are in chunk order 0, 3 | 1, 2):
+/// chunk 0 attends chunk 0's 2048 keys, chunk 3 all 8192.
 fn cp2_key_index() -> Vec<u32> {
     let c = 2048u32;
     // all-gathered rows of global chunk g: chunk 0 -> 0, 3 -> 1, 1 -> 2, 2 -> 3 (in units of c)
@@ -1057,6 +1055,10 @@ fn cp2_key_index() -> Vec<u32> {
     index
 }
 
+/// Context parallelism's key-gradient scatter at [`cp2_key_index`], 8 KV heads: `index_add_rows`
+/// against candle's `index_add` on the device, bit for bit (the same bf16 adds in the same order),
+/// and against the CPU; then 5 source rows into 4 with an unused destination row, from the start
+/// of a buffer (the kernel) and from a view off a 16-byte boundary (candle's path).
 fn check_index_add_rows(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let index = cp2_key_index();
     let n = index.len();
@@ -1101,6 +1103,8 @@ fn check_index_add_rows(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>)
     Ok(())
 }
 
+/// The embedding backward (f32 out, tied init, repeated ids) on CUDA against the CPU: the same
+/// f32 additions in the same order, so bit-exact.
 fn check_embedding_backward(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     let (vocab, d, t) = (151_936usize, 2560usize, 1024usize);
     // Repeats: ids from a small range half the time.

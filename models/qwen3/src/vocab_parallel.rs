@@ -132,20 +132,6 @@ pub fn vocab_parallel_logprobs_entropy(
     if let Some(stats) = vime_kernels::lm_head::shard_stats(hidden, lm_head, targets, shard.offset, chunk_tokens)? {
         return merged_shard_stats(&stats, targets, tp);
     }
-    vocab_parallel_logprobs_entropy_composed(hidden, lm_head, targets, shard, tp, chunk_tokens)
-}
-
-/// [`vocab_parallel_logprobs_entropy`] composed of candle ops, on every device and dtype (what
-/// runs where the fused kernels do not; public as the CUDA path's reference).
-pub fn vocab_parallel_logprobs_entropy_composed(
-    hidden: &Tensor,
-    lm_head: &Tensor,
-    targets: &[u32],
-    shard: &VocabShard,
-    tp: &dyn Collectives,
-    chunk_tokens: usize,
-) -> Result<(Tensor, Tensor, VocabParallelSaved)> {
-    check(hidden, lm_head, targets, shard)?;
     let acc = acc_dtype(hidden.dtype());
     let w = lm_head.to_dtype(acc)?;
     let t = hidden.dim(0)?;
@@ -229,26 +215,6 @@ fn merged_shard_stats(
     Ok((logprobs, entropy, saved))
 }
 
-/// The backward's inputs checked ([`check`], and one gradient per token): returns T.
-fn check_backward(
-    hidden: &Tensor,
-    lm_head: &Tensor,
-    targets: &[u32],
-    shard: &VocabShard,
-    g_lp: &Tensor,
-    g_ent: &Tensor,
-) -> Result<usize> {
-    check(hidden, lm_head, targets, shard)?;
-    let t = hidden.dim(0)?;
-    ensure!(
-        g_lp.dims() == [t] && g_ent.dims() == [t],
-        "gradients {:?} / {:?} for {t} tokens",
-        g_lp.dims(),
-        g_ent.dims()
-    );
-    Ok(t)
-}
-
 /// Gradients of `sum(g_lp * logp + g_ent * H)`: `(d_hidden [T, H], d_lm_head_slice [V/tp, H])` in
 /// the inputs' dtypes; `d_hidden` is already summed over the TP group.
 #[allow(clippy::too_many_arguments)]
@@ -263,7 +229,14 @@ pub fn vocab_parallel_logprobs_entropy_backward(
     tp: &dyn Collectives,
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor)> {
-    check_backward(hidden, lm_head, targets, shard, g_lp, g_ent)?;
+    check(hidden, lm_head, targets, shard)?;
+    let t = hidden.dim(0)?;
+    ensure!(
+        g_lp.dims() == [t] && g_ent.dims() == [t],
+        "gradients {:?} / {:?} for {t} tokens",
+        g_lp.dims(),
+        g_ent.dims()
+    );
     if let Some((dh, dw)) = vime_kernels::lm_head::shard_backward(
         hidden,
         lm_head,
@@ -278,34 +251,6 @@ pub fn vocab_parallel_logprobs_entropy_backward(
         let dh = tp.all_reduce(&dh, ReduceOp::Sum)?;
         return Ok((dh.to_dtype(hidden.dtype())?, dw));
     }
-    vocab_parallel_logprobs_entropy_backward_composed(
-        hidden,
-        lm_head,
-        targets,
-        shard,
-        saved,
-        g_lp,
-        g_ent,
-        tp,
-        chunk_tokens,
-    )
-}
-
-/// [`vocab_parallel_logprobs_entropy_backward`] composed of candle ops (see
-/// [`vocab_parallel_logprobs_entropy_composed`]).
-#[allow(clippy::too_many_arguments)]
-pub fn vocab_parallel_logprobs_entropy_backward_composed(
-    hidden: &Tensor,
-    lm_head: &Tensor,
-    targets: &[u32],
-    shard: &VocabShard,
-    saved: &VocabParallelSaved,
-    g_lp: &Tensor,
-    g_ent: &Tensor,
-    tp: &dyn Collectives,
-    chunk_tokens: usize,
-) -> Result<(Tensor, Tensor)> {
-    let t = check_backward(hidden, lm_head, targets, shard, g_lp, g_ent)?;
     let acc = acc_dtype(hidden.dtype());
     let w = lm_head.to_dtype(acc)?;
     let chunk = chunk_tokens.max(1);

@@ -9,8 +9,7 @@ use vime_dist::{Collectives, SingleRank};
 use vime_kernels::testing::{rel_err, Rng};
 use vime_kernels::{logprobs_entropy_backward, logprobs_entropy_saved, IGNORE_TARGET};
 use vime_qwen3::vocab_parallel::{
-    vocab_parallel_logprobs_entropy, vocab_parallel_logprobs_entropy_backward,
-    vocab_parallel_logprobs_entropy_backward_composed, vocab_parallel_logprobs_entropy_composed, VocabShard,
+    vocab_parallel_logprobs_entropy, vocab_parallel_logprobs_entropy_backward, VocabShard,
 };
 
 struct Case {
@@ -42,26 +41,13 @@ fn case(t: usize, h: usize, v: usize, dtype: DType, seed: u64) -> Case {
 
 /// One rank's forward and backward: (logp, entropy, d_hidden, d_w slice).
 fn rank_run(c: &Case, g: &dyn Collectives, chunk: usize) -> anyhow::Result<[Tensor; 4]> {
-    rank_run_as(c, g, chunk, false)
-}
-
-/// [`rank_run`] on the public entry points (the fused kernels where they apply), or on the
-/// composed form (`composed`).
-fn rank_run_as(c: &Case, g: &dyn Collectives, chunk: usize, composed: bool) -> anyhow::Result<[Tensor; 4]> {
     let v = c.w.dim(0)?;
     let shard = VocabShard::new(v, g.rank(), g.size())?;
     let w = c.w.narrow(0, shard.offset, shard.len)?;
-    let (h, tg) = (&c.hidden, &c.targets);
-    let (lp, ent, saved) = if composed {
-        vocab_parallel_logprobs_entropy_composed(h, &w, tg, &shard, g, chunk)?
-    } else {
-        vocab_parallel_logprobs_entropy(h, &w, tg, &shard, g, chunk)?
-    };
-    let (dh, dw) = if composed {
-        vocab_parallel_logprobs_entropy_backward_composed(h, &w, tg, &shard, &saved, &c.g_lp, &c.g_ent, g, chunk)?
-    } else {
-        vocab_parallel_logprobs_entropy_backward(h, &w, tg, &shard, &saved, &c.g_lp, &c.g_ent, g, chunk)?
-    };
+    let (lp, ent, saved) = vocab_parallel_logprobs_entropy(&c.hidden, &w, &c.targets, &shard, g, chunk)?;
+    let (dh, dw) = vocab_parallel_logprobs_entropy_backward(
+        &c.hidden, &w, &c.targets, &shard, &saved, &c.g_lp, &c.g_ent, g, chunk,
+    )?;
     Ok([lp, ent, dh, dw])
 }
 
@@ -184,10 +170,11 @@ fn bad_shapes_and_an_uneven_vocabulary_are_named() {
 /// The vocab-parallel head on CUDA at Qwen3-4B's head shapes (T 4096, H 2560, V 151936, bf16), at
 /// TP 1 and TP 2 (two ranks on threads, each with its [75968, 2560] slice on the same GPU), in both
 /// forms: the fused kernels on the shard (what bf16 CUDA runs; chunks of 4096 tokens, the model's)
-/// and the composed candle ops (f32; chunks of 2^24 / (V / tp) tokens, the model's), each against
-/// the fused unsharded CUDA kernel, itself checked against the CPU kernel by `cuda_vs_cpu`. Each
-/// form runs twice and the second run is timed (the first loads kernels and builds handles).
-/// Prints one verdict line.
+/// and the composed candle ops (what f32 takes, run on exact f32 copies of the bf16 inputs, which
+/// that form widens to anyway; chunks of 2^24 / (V / tp) tokens, the model's), each against the
+/// fused unsharded CUDA kernel, itself checked against the CPU kernel by `cuda_vs_cpu`. Each form
+/// runs twice and the second run is timed (the first loads kernels and builds handles). Prints one
+/// verdict line.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_vocab_parallel_matches_the_fused_kernel_at_qwen3_4b_shapes() {
@@ -219,17 +206,25 @@ fn cuda_vocab_parallel_matches_the_fused_kernel_at_qwen3_4b_shapes() {
     let tol = 1e-2;
     let mut worst = 0f64;
     let mut failures = Vec::new();
+    let wide = Case {
+        hidden: f32(&c.hidden),
+        w: f32(&c.w),
+        targets: c.targets.clone(),
+        g_lp: c.g_lp.clone(),
+        g_ent: c.g_ent.clone(),
+    };
     for tp in [1usize, 2] {
         for composed in [false, true] {
             let chunk = if composed { (1usize << 24) / (v / tp) } else { 4096 };
             let form = if composed { "composed" } else { "fused kernels" };
+            let c = if composed { &wide } else { &c };
             let mut took = std::time::Duration::ZERO;
             let mut runs = Vec::new();
             for _ in 0..2 {
                 gpu.synchronize().unwrap();
                 let t0 = std::time::Instant::now();
                 runs = if tp == 1 {
-                    let out = rank_run_as(&c, &SingleRank::default(), chunk, composed).unwrap();
+                    let out = rank_run(c, &SingleRank::default(), chunk).unwrap();
                     gpu.synchronize().unwrap();
                     vec![out]
                 } else {
@@ -245,7 +240,7 @@ fn cuda_vocab_parallel_matches_the_fused_kernel_at_qwen3_4b_shapes() {
                             g_lp: on(&c.g_lp)?,
                             g_ent: on(&c.g_ent)?,
                         };
-                        let out = rank_run_as(&local, g, chunk, composed)?;
+                        let out = rank_run(&local, g, chunk)?;
                         dev.synchronize()?;
                         Ok(out.map(|x| x.to_device(&gpu).unwrap()))
                     })
