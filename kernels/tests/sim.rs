@@ -5,7 +5,9 @@
 //!   divergent barrier reported, `vime_qk_norm_rope` == `vime_qk_norm_rope_tok` bit for bit (as
 //!   the GPU kernel check finds), the 16-byte RMSNorm forward against a double reference;
 //! - `check_adamw_multi.cpp`: the one-launch AdamW against one launch per tensor, 3 steps;
-//! - `check_widen_add.cpp`: bf16 gradients into f32 sums in one launch against cast and add.
+//! - `check_widen_add.cpp`: bf16 gradients into f32 sums in one launch against cast and add;
+//! - `check_lmhead_stats.cpp`: the LM head's grouped statistics against a double log-softmax and
+//!   entropy (rescaling, tails, misaligned rows, chunk remainders).
 
 use std::path::Path;
 use std::process::Command;
@@ -55,6 +57,11 @@ fn one_launch_adamw_equals_one_launch_per_tensor_in_the_simulator() {
 #[test]
 fn one_launch_widening_equals_cast_and_add_in_the_simulator() {
     run_sim("check_widen_add.cpp", "WIDEN ADD MULTI: PASS");
+}
+
+#[test]
+fn lm_head_statistics_match_a_double_reference_in_the_simulator() {
+    run_sim("check_lmhead_stats.cpp", "LMHEAD STATS: PASS");
 }
 
 fn tempfile_dir(src: &str) -> std::path::PathBuf {
