@@ -716,6 +716,13 @@ extern "C" __global__ void vime_lmhead_stats(const float* __restrict__ logits, i
                                              float* __restrict__ stats) {
     lmhead_stats(logits, vc, v0, targets, row0, stats);
 }
+// The same over bf16 logits (`--lm-head-logits bf16`: the GEMM rounds them to bf16, as HF's and
+// Megatron's heads do); each logit widened to f32 as it is loaded, then the f32 kernel's math.
+extern "C" __global__ void vime_lmhead_stats_bf16(const bf16* __restrict__ logits, int vc, int v0,
+                                                  const unsigned int* __restrict__ targets, int row0,
+                                                  float* __restrict__ stats) {
+    lmhead_stats(logits, vc, v0, targets, row0, stats);
+}
 
 // out: [T, 3] f32 (logprob, entropy, lse); the lse column is for the backward. IGNORE (u32 max)
 // targets get logprob 0.
@@ -745,9 +752,35 @@ __device__ __forceinline__ float lmhead_dz(float z, unsigned int col, unsigned i
     return v;
 }
 
-// 16-byte logit loads and 8-byte dz stores where the row allows (vc % 4 == 0, aligned rows); the
-// same math per element either way.
-extern "C" __global__ void vime_lmhead_dlogits(const float* __restrict__ logits, int vc, int v0,
+// f32 logits: 16-byte logit loads and 8-byte dz stores where the row allows (vc % 4 == 0, aligned
+// rows); bf16 logits: 16-byte loads and stores of 8 (vc % 8 == 0, aligned rows). The same math per
+// element on every path (a bf16 logit widened to f32 first).
+__device__ __forceinline__ void lmhead_dz4(const float* z, bf16* d, int j, unsigned int v0, unsigned int tg,
+                                           float l, float h, float glp, float gent) {
+    const float4 q = reinterpret_cast<const float4*>(z)[j];
+    const unsigned int c = v0 + 4 * j;
+    uint2 u;
+    bf16* o = reinterpret_cast<bf16*>(&u);
+    o[0] = __float2bfloat16(lmhead_dz(q.x, c, tg, l, h, glp, gent));
+    o[1] = __float2bfloat16(lmhead_dz(q.y, c + 1, tg, l, h, glp, gent));
+    o[2] = __float2bfloat16(lmhead_dz(q.z, c + 2, tg, l, h, glp, gent));
+    o[3] = __float2bfloat16(lmhead_dz(q.w, c + 3, tg, l, h, glp, gent));
+    reinterpret_cast<uint2*>(d)[j] = u;
+}
+__device__ __forceinline__ void lmhead_dz8(const bf16* z, bf16* d, int j, unsigned int v0, unsigned int tg,
+                                           float l, float h, float glp, float gent) {
+    const uint4 q = reinterpret_cast<const uint4*>(z)[j];
+    const bf16* zi = reinterpret_cast<const bf16*>(&q);
+    const unsigned int c = v0 + 8 * j;
+    uint4 u;
+    bf16* o = reinterpret_cast<bf16*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = __float2bfloat16(lmhead_dz(__bfloat162float(zi[i]), c + i, tg, l, h, glp, gent));
+    reinterpret_cast<uint4*>(d)[j] = u;
+}
+
+template <typename T>
+__device__ __forceinline__ void lmhead_dlogits(const T* __restrict__ logits, int vc, int v0,
                                                const unsigned int* __restrict__ targets, int row0,
                                                const float* __restrict__ fwd, const float* __restrict__ grad,
                                                bf16* __restrict__ dz) {
@@ -757,27 +790,35 @@ extern "C" __global__ void vime_lmhead_dlogits(const float* __restrict__ logits,
     const unsigned int tg = targets[row];
     const float glp = tg == 0xffffffffu ? 0.f : grad[row * 3];
     const float gent = grad[row * 3 + 1];
-    const float* z = logits + (size_t)r * vc;
+    const T* z = logits + (size_t)r * vc;
     bf16* d = dz + (size_t)r * vc;
     int tail = 0;
-    if ((vc & 3) == 0 && ((uintptr_t)z & 15) == 0 && ((uintptr_t)d & 7) == 0) {
-        const float4* z4 = reinterpret_cast<const float4*>(z);
-        uint2* d4 = reinterpret_cast<uint2*>(d);
-        for (int j = threadIdx.x; j < (vc >> 2); j += blockDim.x) {
-            const float4 q = z4[j];
-            const unsigned int c = (unsigned int)(v0 + 4 * j);
-            uint2 u;
-            bf16* o = reinterpret_cast<bf16*>(&u);
-            o[0] = __float2bfloat16(lmhead_dz(q.x, c, tg, l, h, glp, gent));
-            o[1] = __float2bfloat16(lmhead_dz(q.y, c + 1, tg, l, h, glp, gent));
-            o[2] = __float2bfloat16(lmhead_dz(q.z, c + 2, tg, l, h, glp, gent));
-            o[3] = __float2bfloat16(lmhead_dz(q.w, c + 3, tg, l, h, glp, gent));
-            d4[j] = u;
+    constexpr int W = sizeof(T) == 4 ? 4 : 8;  // logits a 16-byte load
+    if (vc % W == 0 && aligned16(z) && ((uintptr_t)d & (2 * W - 1)) == 0) {
+        for (int j = threadIdx.x; j < vc / W; j += blockDim.x) {
+            if constexpr (W == 4)
+                lmhead_dz4(reinterpret_cast<const float*>(z), d, j, (unsigned int)v0, tg, l, h, glp, gent);
+            else
+                lmhead_dz8(reinterpret_cast<const bf16*>(z), d, j, (unsigned int)v0, tg, l, h, glp, gent);
         }
         tail = vc;
     }
     for (int j = tail + threadIdx.x; j < vc; j += blockDim.x)
-        d[j] = __float2bfloat16(lmhead_dz(z[j], (unsigned int)(v0 + j), tg, l, h, glp, gent));
+        d[j] = __float2bfloat16(lmhead_dz(logit_f32(z[j]), (unsigned int)(v0 + j), tg, l, h, glp, gent));
+}
+
+extern "C" __global__ void vime_lmhead_dlogits(const float* __restrict__ logits, int vc, int v0,
+                                               const unsigned int* __restrict__ targets, int row0,
+                                               const float* __restrict__ fwd, const float* __restrict__ grad,
+                                               bf16* __restrict__ dz) {
+    lmhead_dlogits(logits, vc, v0, targets, row0, fwd, grad, dz);
+}
+
+extern "C" __global__ void vime_lmhead_dlogits_bf16(const bf16* __restrict__ logits, int vc, int v0,
+                                                    const unsigned int* __restrict__ targets, int row0,
+                                                    const float* __restrict__ fwd, const float* __restrict__ grad,
+                                                    bf16* __restrict__ dz) {
+    lmhead_dlogits(logits, vc, v0, targets, row0, fwd, grad, dz);
 }
 
 extern "C" __global__ void vime_f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, size_t n) {

@@ -94,6 +94,36 @@ impl std::str::FromStr for DecodeKernel {
     }
 }
 
+/// The dtype of the LM head's logits on CUDA (bf16 models), from which its log-probs, entropy and
+/// logit gradients come (`--lm-head-logits`).
+/// - `Fp32` (the default): the logits GEMM accumulates in f32 and writes f32; no logit is ever
+///   rounded to bf16 (more precise than HF's and Megatron's heads).
+/// - `Bf16`: the GEMM's f32 sums are rounded to bf16, as HF's `lm_head` and Megatron-Core's
+///   output layer give them, then widened for the f32 softmax. Half the logits' bytes: the
+///   kept logits take half the memory and the head's passes over them move half the bytes.
+///   Not with the batch-invariant kernels (`--true-on-policy-mode` keeps f32 logits, which the
+///   built-in engine samples from).
+///
+/// The CPU kernels follow the same choice for bf16 inputs (the logits rounded to bf16 where the
+/// GEMM would round them), so the CUDA kernels are checked against them either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HeadLogits {
+    #[default]
+    Fp32,
+    Bf16,
+}
+
+impl std::str::FromStr for HeadLogits {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "fp32" | "f32" => Ok(Self::Fp32),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("LM head logits {other:?}: fp32 or bf16")),
+        }
+    }
+}
+
 /// The kernel settings one model runs with. `Default`: `auto`, non-deterministic, `fallback`.
 /// Clones share the fallback latch.
 #[derive(Debug, Clone, Default)]
@@ -117,6 +147,8 @@ pub struct KernelConfig {
     /// 1/16 of the device's memory (8.9 GB on an H200: 14.6k tokens of Qwen3's 151,936-entry
     /// vocabulary); `Some(0)`: always recompute.
     head_logits_max_bytes: Option<usize>,
+    /// The LM head's logits dtype on CUDA ([`HeadLogits`]).
+    head_logits: HeadLogits,
     /// Set once cuDNN failed under `auto` + `fallback`: every later call runs the flash kernel.
     cudnn_off: Arc<AtomicBool>,
 }
@@ -145,6 +177,7 @@ impl KernelConfig {
             decode_kernel: DecodeKernel::default(),
             fp8: false,
             head_logits_max_bytes: None,
+            head_logits: HeadLogits::Fp32,
             cudnn_off: Arc::default(),
         })
     }
@@ -159,6 +192,29 @@ impl KernelConfig {
     /// The most bytes of logits the LM head keeps on a device of `device_bytes` memory.
     pub fn head_logits_max_bytes(&self, device_bytes: usize) -> usize {
         self.head_logits_max_bytes.unwrap_or(device_bytes / 16)
+    }
+
+    /// This config with the LM head's logits in `logits` ([`HeadLogits`]). `Bf16` with the
+    /// batch-invariant kernels is an error.
+    pub fn with_head_logits(mut self, logits: HeadLogits) -> Result<Self, String> {
+        self.head_logits = logits;
+        self.check_head_logits()?;
+        Ok(self)
+    }
+
+    pub fn head_logits(&self) -> HeadLogits {
+        self.head_logits
+    }
+
+    fn check_head_logits(&self) -> Result<(), String> {
+        if self.batch_invariant && self.head_logits == HeadLogits::Bf16 {
+            return Err(
+                "--lm-head-logits bf16 does not go with --true-on-policy-mode, whose batch-invariant \
+                 LM head keeps f32 logits (the ones the built-in engine samples from)"
+                    .to_string(),
+            );
+        }
+        Ok(())
     }
 
     /// This config with the batch-invariant kernels on or off (see the field's docs).

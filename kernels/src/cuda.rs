@@ -836,8 +836,89 @@ pub(crate) fn logits_f32(hidden: &Tensor, w: &Tensor, n: usize, v: usize, h: usi
     Ok(device_tensor(out, &dev, (n, v)))
 }
 
+/// How the LM head's logits GEMM runs: cuBLAS into f32 (the default) or into bf16
+/// ([`crate::HeadLogits`]), or the batch-invariant GEMM into f32 (`--true-on-policy-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HeadGemm {
+    F32,
+    Bf16,
+    Invariant,
+}
+
+impl HeadGemm {
+    /// The GEMM of a head with these settings (the batch-invariant one keeps f32 logits).
+    pub(crate) fn of(invariant: bool, bf16_logits: bool) -> Self {
+        match (invariant, bf16_logits) {
+            (true, _) => Self::Invariant,
+            (false, true) => Self::Bf16,
+            (false, false) => Self::F32,
+        }
+    }
+
+    fn bf16(self) -> bool {
+        self == Self::Bf16
+    }
+
+    /// Bytes of one logit.
+    fn logit_bytes(self) -> usize {
+        if self.bf16() {
+            2
+        } else {
+            4
+        }
+    }
+
+    fn stats_kernel(self) -> &'static str {
+        if self.bf16() {
+            "vime_lmhead_stats_bf16"
+        } else {
+            "vime_lmhead_stats"
+        }
+    }
+
+    fn dlogits_kernel(self) -> &'static str {
+        if self.bf16() {
+            "vime_lmhead_dlogits_bf16"
+        } else {
+            "vime_lmhead_dlogits"
+        }
+    }
+
+    /// A buffer of `n` logits, unfilled (every element the GEMMs or kernels read is written first).
+    fn alloc(self, dev: &CudaDevice, n: usize) -> Result<LogitsBuf> {
+        Ok(if self.bf16() {
+            LogitsBuf::Bf16(unsafe { dev.alloc::<bf16>(n.max(1)) }?)
+        } else {
+            LogitsBuf::F32(unsafe { dev.alloc::<f32>(n.max(1)) }?)
+        })
+    }
+}
+
+/// Logits on the device in the head's dtype ([`HeadGemm`]).
+enum LogitsBuf {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+}
+
+impl LogitsBuf {
+    fn addr(&self, dev: &CudaDevice) -> u64 {
+        match self {
+            Self::F32(s) => slice_addr(s, dev),
+            Self::Bf16(s) => slice_addr(s, dev),
+        }
+    }
+
+    fn into_tensor(self, dev: &CudaDevice, n: usize) -> Tensor {
+        match self {
+            Self::F32(s) => device_tensor(s, dev, n),
+            Self::Bf16(s) => device_tensor(s, dev, n),
+        }
+    }
+}
+
 /// Forward: `[T, 3]` f32 = (logprob, entropy, lse) per token. The public op narrows the first two
 /// columns; the backward reads lse from the saved output.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn lm_head_fwd(
     h: &CudaStorage,
     lh: &Layout,
@@ -845,18 +926,19 @@ pub(crate) fn lm_head_fwd(
     lw: &Layout,
     targets: &[u32],
     chunk_tokens: usize,
-    invariant: bool,
+    gemm: HeadGemm,
 ) -> Result<(CudaStorage, Shape)> {
-    lm_head_fwd_keep(h, lh, w, lw, targets, chunk_tokens, invariant, false).map(|(o, s, _)| (o, s))
+    lm_head_fwd_keep(h, lh, w, lw, targets, chunk_tokens, gemm, false).map(|(o, s, _)| (o, s))
 }
 
-/// [`lm_head_fwd_keep`] on tensors, keeping the logits: (the `[T, 3]` output, the `[T * V]` f32
-/// logits).
+/// [`lm_head_fwd_keep`] on tensors, keeping the logits: (the `[T, 3]` output, the `[T * V]`
+/// logits, f32 or bf16 as `gemm` says).
 pub(crate) fn lm_head_fwd_kept(
     h: &Tensor,
     w: &Tensor,
     targets: &[u32],
     chunk_tokens: usize,
+    gemm: HeadGemm,
 ) -> Result<(Tensor, Tensor)> {
     let (hs, lh) = h.storage_and_layout();
     let (ws, lw) = w.storage_and_layout();
@@ -864,30 +946,33 @@ pub(crate) fn lm_head_fwd_kept(
         bail!("logprobs_entropy: tensors must be on a CUDA device");
     };
     let (t, v) = (lh.dims()[0], lw.dims()[0]);
-    let (out, shape, kept) = lm_head_fwd_keep(hs, lh, ws, lw, targets, chunk_tokens, false, true)?;
+    if gemm == HeadGemm::Invariant {
+        bail!("logprobs_entropy: the batch-invariant head keeps no logits");
+    }
+    let (out, shape, kept) = lm_head_fwd_keep(hs, lh, ws, lw, targets, chunk_tokens, gemm, true)?;
     let dev = hs.device.clone();
     let out = Tensor::from_storage(Storage::Cuda(out), shape, candle_core::op::BackpropOp::none(), false);
     let kept = match kept {
-        Some(k) => device_tensor(k, &dev, t * v),
+        Some(k) => k.into_tensor(&dev, t * v),
         None => device_tensor(dev.alloc_zeros::<f32>(1)?, &dev, 0),
     };
     Ok((out, kept))
 }
 
-/// [`lm_head_fwd`], with `keep`: every logits block left in one `[T * V]` f32 buffer (returned;
+/// [`lm_head_fwd`], with `keep`: every logits block left in one `[T * V]` buffer (returned;
 /// the blocks in the order of the loops, token chunk then vocabulary chunk, each `[rows, vc]`),
 /// which [`lm_head_bwd_into`] then reads instead of running the logits GEMM again.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn lm_head_fwd_keep(
+fn lm_head_fwd_keep(
     h: &CudaStorage,
     lh: &Layout,
     w: &CudaStorage,
     lw: &Layout,
     targets: &[u32],
     chunk_tokens: usize,
-    invariant: bool,
+    gemm: HeadGemm,
     keep: bool,
-) -> Result<(CudaStorage, Shape, Option<CudaSlice<f32>>)> {
+) -> Result<(CudaStorage, Shape, Option<LogitsBuf>)> {
     check_bf16("logprobs_entropy", &[h.dtype(), w.dtype()])?;
     let dev = &h.device;
     let (t, hid) = (lh.dims()[0], lh.dims()[1]);
@@ -904,7 +989,7 @@ pub(crate) fn lm_head_fwd_keep(
     let wp = addr::<bf16>(w, lw, "logprobs_entropy")?;
     let tg = upload_u32(dev, targets)?;
     let tgp = slice_addr(&tg, dev);
-    let (stats, logits) = lm_head_stats(dev, hp, wp, (t, hid, v), tgp, chunk_tokens, 0, invariant, keep)?;
+    let (stats, logits) = lm_head_stats(dev, hp, wp, (t, hid, v), tgp, chunk_tokens, 0, gemm, keep)?;
     let sp = slice_addr(&stats, dev);
     let op = slice_addr(&out, dev);
     let t_i = i32_of("logprobs_entropy", "tokens", t)?;
@@ -921,7 +1006,7 @@ pub(crate) fn lm_head_fwd_keep(
 /// token over the `v` rows of `w` (`hp`, `wp`: bf16 `[T, H]` and `[V, H]`), whose first row is
 /// vocabulary id `v_offset` (a vocabulary shard's; targets are global ids, and a token whose
 /// target is outside the shard keeps 0 as its target logit). `keep`: every logits block left in
-/// one `[T * V]` f32 buffer (returned), in the order of the loops.
+/// one `[T * V]` buffer (returned; f32 or bf16 as `gemm` says), in the order of the loops.
 #[allow(clippy::too_many_arguments)]
 fn lm_head_stats(
     dev: &CudaDevice,
@@ -931,18 +1016,18 @@ fn lm_head_stats(
     tgp: u64,
     chunk_tokens: usize,
     v_offset: usize,
-    invariant: bool,
+    gemm_kind: HeadGemm,
     keep: bool,
-) -> Result<(CudaSlice<f32>, Option<CudaSlice<f32>>)> {
+) -> Result<(CudaSlice<f32>, Option<LogitsBuf>)> {
     // (M, s, a, target logit) per row
     let init: Vec<f32> = (0..t).flat_map(|_| [f32::NEG_INFINITY, 0.0, 0.0, 0.0]).collect();
     let stats = dev.cuda_stream().clone_htod(&init).w()?;
     let sp = slice_addr(&stats, dev);
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
-    let logits = unsafe { dev.alloc::<f32>(if keep { t * v } else { rows_max * vc_max }) }?;
-    let base = slice_addr(&logits, dev);
-    let f_stats = ops_fn(dev, "vime_lmhead_stats")?;
+    let logits = gemm_kind.alloc(dev, if keep { t * v } else { rows_max * vc_max })?;
+    let base = logits.addr(dev);
+    let f_stats = ops_fn(dev, gemm_kind.stats_kernel())?;
     let mut kept_at = 0u64;
     for row0 in (0..t).step_by(rows_max) {
         let rows = rows_max.min(t - row0);
@@ -950,16 +1035,18 @@ fn lm_head_stats(
             let vc = vc_max.min(v - v0);
             let lp = base + kept_at;
             if keep {
-                kept_at += (rows * vc * 4) as u64;
+                kept_at += (rows * vc * gemm_kind.logit_bytes()) as u64;
             }
             let (wc, hr) = (wp + (v0 * hid * 2) as u64, hp + (row0 * hid * 2) as u64);
-            if invariant {
+            if gemm_kind == HeadGemm::Invariant {
                 // The same logits bits whatever the row count (see `crate::invariant`).
                 // One split: the engine's whole-vocabulary logits GEMM must sum K alike.
                 unsafe { bi_gemm(dev, hr, wc, lp, rows, vc, hid, vc, true, 1)? };
             } else {
-                // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T
-                unsafe { gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)? };
+                // logits^T [vc, rows] (col-major) = W_c [vc, H] . hidden_rows^T, f32 sums written
+                // as f32 or rounded to bf16.
+                let f32_out = !gemm_kind.bf16();
+                unsafe { gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, f32_out, vc)? };
             }
             let vc_i = vc as i32;
             let v0_i = i32_of("logprobs_entropy", "vocabulary offset", v_offset + v0)?;
@@ -1001,7 +1088,7 @@ pub(crate) fn lm_head_shard_stats(
         slice_addr(&tg, &dev),
         chunk_tokens,
         v_offset,
-        false,
+        HeadGemm::F32,
         false,
     )?;
     Ok(device_tensor(stats, &dev, (t, 4)))
@@ -1051,6 +1138,7 @@ pub(crate) fn lm_head_shard_bwd(
         dho,
         dwo,
         None,
+        HeadGemm::F32,
         v_offset,
     )?;
     Ok((device_tensor(dh, &dev, (t, hid)), device_tensor(dw, &dev, (v, hid))))
@@ -1069,6 +1157,7 @@ pub(crate) fn lm_head_bwd(
     fwd_out: &Tensor,
     targets: &[u32],
     chunk_tokens: usize,
+    gemm: HeadGemm,
 ) -> Result<(CudaStorage, Shape)> {
     check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
     check_head_grad(grad.dtype(), fwd_out)?;
@@ -1095,6 +1184,7 @@ pub(crate) fn lm_head_bwd(
             DhOut::Bf16(dhidden),
             dw,
             None,
+            gemm,
             0,
         )?;
     }
@@ -1118,6 +1208,7 @@ pub(crate) fn lm_head_bwd_into(
     chunk_tokens: usize,
     dw_sum: &Tensor,
     kept: Option<&Tensor>,
+    gemm: HeadGemm,
 ) -> Result<Tensor> {
     check_bf16("logprobs_entropy backward", &[h.dtype(), w.dtype()])?;
     check_head_grad(grad.dtype(), fwd_out)?;
@@ -1146,8 +1237,11 @@ pub(crate) fn lm_head_bwd_into(
         let dw = DwOut::F32Sum(tensor_addr::<f32>(dw_sum, "logprobs_entropy backward sum")?);
         let dims = (t, hid, v, grad.dims());
         let kept = match kept {
-            Some(k) if k.dims() == [t * v] && k.dtype() == DType::F32 => {
+            Some(k) if k.dims() == [t * v] && k.dtype() == DType::F32 && !gemm.bf16() => {
                 Some(tensor_addr::<f32>(k, "logprobs_entropy backward kept logits")?)
+            }
+            Some(k) if k.dims() == [t * v] && k.dtype() == DType::BF16 && gemm.bf16() => {
+                Some(tensor_addr::<bf16>(k, "logprobs_entropy backward kept logits")?)
             }
             Some(k) => bail!(
                 "logprobs_entropy backward: kept logits {:?} {:?} for [{t}, {v}]",
@@ -1168,6 +1262,7 @@ pub(crate) fn lm_head_bwd_into(
             DhOut::Bf16(slice_addr(&out, &dev)),
             dw,
             kept,
+            gemm,
             0,
         )?;
     }
@@ -1201,7 +1296,8 @@ enum DhOut {
 /// The chunked GEMMs of the LM head's backward. `dims`: (T, H, V, the gradient's dims); `dhidden`
 /// receives `d_hidden` in bf16 (f32-accumulated over vocabulary chunks). `kept`: the forward's
 /// logits ([`lm_head_fwd_keep`]), read instead of computed again; the same bits, since the
-/// recompute is the same GEMM on the same block.
+/// recompute is the same GEMM on the same block. `gemm_kind`: the logits' dtype (f32 or bf16, as
+/// the forward's; a batch-invariant forward's backward recomputes f32 logits with cuBLAS).
 #[allow(clippy::too_many_arguments)]
 fn lm_head_bwd_core(
     dev: &CudaDevice,
@@ -1215,6 +1311,7 @@ fn lm_head_bwd_core(
     dhidden: DhOut,
     dw: DwOut,
     kept: Option<u64>,
+    gemm_kind: HeadGemm,
     v_offset: usize,
 ) -> Result<()> {
     let (t, hid, v, gdims) = dims;
@@ -1240,8 +1337,13 @@ fn lm_head_bwd_core(
     };
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
-    // The recomputed logits' block (unused when they are kept).
-    let logits = unsafe { dev.alloc::<f32>(if kept.is_some() { 1 } else { rows_max * vc_max }) }?;
+    // The recomputed logits' block (unused when they are kept), f32 or bf16 as the forward's.
+    let gemm_kind = if gemm_kind.bf16() {
+        HeadGemm::Bf16
+    } else {
+        HeadGemm::F32
+    };
+    let logits = gemm_kind.alloc(dev, if kept.is_some() { 1 } else { rows_max * vc_max })?;
     let mut kept_at = 0u64;
     let dz = unsafe { dev.alloc::<bf16>(rows_max * vc_max) }?;
     let dzp = slice_addr(&dz, dev);
@@ -1250,7 +1352,7 @@ fn lm_head_bwd_core(
         DwOut::Bf16(_) if rows_max < t => Some(dev.alloc_zeros::<f32>(v * hid)?),
         _ => None,
     };
-    let f_dz = ops_fn(dev, "vime_lmhead_dlogits")?;
+    let f_dz = ops_fn(dev, gemm_kind.dlogits_kernel())?;
     for row0 in (0..t).step_by(rows_max) {
         let rows = rows_max.min(t - row0);
         for v0 in (0..v).step_by(vc_max) {
@@ -1260,13 +1362,14 @@ fn lm_head_bwd_core(
             let lp = match kept {
                 Some(base) => {
                     let lp = base + kept_at;
-                    kept_at += (rows * vc * 4) as u64;
+                    kept_at += (rows * vc * gemm_kind.logit_bytes()) as u64;
                     lp
                 }
                 None => {
-                    let lp = slice_addr(&logits, dev);
+                    let lp = logits.addr(dev);
+                    let f32_out = !gemm_kind.bf16();
                     unsafe {
-                        gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, true, vc)?;
+                        gemm(dev, true, false, vc, rows, hid, wc, hid, hr, hid, 0.0, lp, f32_out, vc)?;
                     }
                     lp
                 }

@@ -51,7 +51,7 @@ pub use attention::{
     cudnn_graph_stats, cudnn_version, varlen_attention, varlen_attention_backward, varlen_attention_saved,
     AttentionSaved,
 };
-pub use config::{AttentionBackend, CudnnFailure, DecodeKernel, KernelConfig, CUDNN_BUILT};
+pub use config::{AttentionBackend, CudnnFailure, DecodeKernel, HeadLogits, KernelConfig, CUDNN_BUILT};
 pub use embedding::{embedding_backward, embedding_backward_into};
 pub use lm_head::{
     logprobs_entropy, logprobs_entropy_backward, logprobs_entropy_backward_into, logprobs_entropy_saved,

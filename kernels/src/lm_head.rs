@@ -34,7 +34,7 @@
 //!   by chunk.
 //! - The softmax statistics are per row and parallel over rows (rayon); nothing is reduced across
 //!   rows except `d_lm_head`, which is the GEMM's own reduction plus the ordered chunk sum.
-use crate::config::KernelConfig;
+use crate::config::{HeadLogits, KernelConfig};
 use crate::real::{same_dtype, Real};
 use crate::with_acc;
 use candle_core::backend::BackendStorage;
@@ -110,11 +110,7 @@ pub fn logprobs_entropy_with(
         return crate::composed::logprobs_entropy(hidden, lm_head, targets, chunk_tokens);
     }
     crate::checks::lm_head(hidden, lm_head, targets, chunk_tokens)?;
-    let op = LmHead {
-        targets: targets.clone(),
-        chunk_tokens,
-        invariant: kernels.batch_invariant(),
-    };
+    let op = LmHead::new(targets, chunk_tokens, kernels);
     let out = hidden.contiguous()?.apply_op2(&lm_head.contiguous()?, op)?;
     split(&out)
 }
@@ -179,19 +175,15 @@ pub fn logprobs_entropy_saved_with(
         return Ok((lp, ent, LmHeadSaved(SavedLmHead::Graph(graph))));
     }
     crate::checks::lm_head(hidden, lm_head, targets, chunk_tokens)?;
-    let op = LmHead {
-        targets: targets.clone(),
-        chunk_tokens,
-        invariant: kernels.batch_invariant(),
-    };
+    let op = LmHead::new(targets, chunk_tokens, kernels);
     let (hidden, lm_head) = (hidden.contiguous()?, lm_head.contiguous()?);
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(dev) = hidden.device() {
         // The logits of a training forward (the backward's GEMM then skipped), when they fit.
-        let bytes = hidden.dim(0)? * lm_head.dim(0)? * 4;
+        let bytes = hidden.dim(0)? * lm_head.dim(0)? * if op.bf16_logits { 2 } else { 4 };
         let cap = kernels.head_logits_max_bytes(dev.cuda_stream().context().total_mem().unwrap_or(0));
         if fused && !op.invariant && bytes > 0 && bytes <= cap {
-            let (out, logits) = crate::cuda::lm_head_fwd_kept(&hidden, &lm_head, targets, chunk_tokens)?;
+            let (out, logits) = crate::cuda::lm_head_fwd_kept(&hidden, &lm_head, targets, chunk_tokens, op.gemm())?;
             let (logprobs, entropy) = split(&out)?;
             let logits = Some(logits);
             return Ok((logprobs, entropy, LmHeadSaved(SavedLmHead::Kernel { op, out, logits })));
@@ -279,6 +271,7 @@ pub fn logprobs_entropy_backward_into(
                 op.chunk_tokens,
                 &sum,
                 logits.as_ref(),
+                op.gemm(),
             )?;
             return Ok((dh, sum));
         }
@@ -391,6 +384,27 @@ struct LmHead {
     /// CPU, whose GEMM already sums every row in one order).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     invariant: bool,
+    /// `--lm-head-logits bf16` ([`HeadLogits::Bf16`]) for bf16 inputs: the logits rounded to bf16
+    /// before the softmax, forward and backward. Never with `invariant`, whose logits stay f32.
+    bf16_logits: bool,
+}
+
+impl LmHead {
+    fn new(targets: &Arc<[u32]>, chunk_tokens: usize, kernels: &KernelConfig) -> Self {
+        let invariant = kernels.batch_invariant();
+        Self {
+            targets: targets.clone(),
+            chunk_tokens,
+            invariant,
+            bf16_logits: kernels.head_logits() == HeadLogits::Bf16 && !invariant,
+        }
+    }
+
+    /// The CUDA logits GEMM these settings run.
+    #[cfg(feature = "cuda")]
+    fn gemm(&self) -> crate::cuda::HeadGemm {
+        crate::cuda::HeadGemm::of(self.invariant, self.bf16_logits)
+    }
 }
 
 /// `(T, H, V)` from the layouts of `hidden` and `lm_head`, re-checked so a bad call errors.
@@ -416,9 +430,10 @@ fn in_acc<'a, R: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<(Cow<'a, Cp
     }
 }
 
-/// Logits of tokens `start..start + len`: `hidden[start..start + len] @ lm_head^T`, `[len, V]`.
+/// Logits of tokens `start..start + len`: `hidden[start..start + len] @ lm_head^T`, `[len, V]`,
+/// each rounded to bf16 (and widened back) when `round_bf16`.
 #[allow(clippy::too_many_arguments)]
-fn chunk_logits<R: WithDType>(
+fn chunk_logits<R: Real + WithDType>(
     hs: &CpuStorage,
     hl: &Layout,
     ws: &CpuStorage,
@@ -427,9 +442,16 @@ fn chunk_logits<R: WithDType>(
     len: usize,
     h: usize,
     v: usize,
+    round_bf16: bool,
 ) -> Result<Vec<R>> {
     let z = hs.matmul(ws, (1, len, v, h), &hl.narrow(0, start, len)?, &wl.transpose(0, 1)?)?;
-    R::cpu_storage_data(z)
+    let mut z = R::cpu_storage_data(z)?;
+    if round_bf16 {
+        // Where the CUDA GEMM rounds its f32 sums to bf16 (`HeadLogits::Bf16`).
+        z.par_iter_mut()
+            .for_each(|x| *x = <R as Real>::from_f64(half::bf16::from_f64(Real::to_f64(*x)).to_f64()));
+    }
+    Ok(z)
 }
 
 /// `(m, ln s, H)` of one row of logits (see the module header).
@@ -472,12 +494,13 @@ fn forward<R: Real + WithDType>(
     targets: &[u32],
     chunk_tokens: usize,
     (t, h, v): (usize, usize, usize),
+    round_bf16: bool,
 ) -> Result<Vec<R>> {
     let mut out = vec![R::ZERO; 2 * t];
     for start in (0..t).step_by(chunk_tokens) {
         let len = (t - start).min(chunk_tokens);
         let out_c = &mut out[2 * start..2 * (start + len)];
-        let z = chunk_logits::<R>(hs, hl, ws, wl, start, len, h, v)?;
+        let z = chunk_logits::<R>(hs, hl, ws, wl, start, len, h, v, round_bf16)?;
         out_c
             .par_chunks_mut(2)
             .zip(z.par_chunks(v))
@@ -506,12 +529,13 @@ fn backward<R: Real + WithDType>(
     targets: &[u32],
     chunk_tokens: usize,
     (t, h, v): (usize, usize, usize),
+    round_bf16: bool,
 ) -> Result<Vec<R>> {
     let mut out = vec![R::ZERO; t * h + v * h];
     let (dh, dw) = out.split_at_mut(t * h);
     for start in (0..t).step_by(chunk_tokens) {
         let len = (t - start).min(chunk_tokens);
-        let mut z = chunk_logits::<R>(hs, hl, ws, wl, start, len, h, v)?;
+        let mut z = chunk_logits::<R>(hs, hl, ws, wl, start, len, h, v, round_bf16)?;
         z.par_chunks_mut(v)
             .zip(targets[start..start + len].par_iter())
             .zip(g[2 * start..2 * (start + len)].par_chunks(2))
@@ -543,7 +567,8 @@ impl CustomOp2 for LmHead {
         with_acc!(dtype, R => {
             let (hs, hl) = in_acc::<R>(s1, l1)?;
             let (ws, wl) = in_acc::<R>(s2, l2)?;
-            let out = forward::<R>(&hs, &hl, &ws, &wl, &self.targets, self.chunk_tokens, dims)?;
+            let round = self.bf16_logits && dtype == candle_core::DType::BF16;
+            let out = forward::<R>(&hs, &hl, &ws, &wl, &self.targets, self.chunk_tokens, dims, round)?;
             Ok((R::to_cpu_storage_owned(out), Shape::from((dims.0, 2))))
         })
     }
@@ -557,7 +582,7 @@ impl CustomOp2 for LmHead {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         sizes("logprobs_entropy", l1, l2, &self.targets, self.chunk_tokens)?;
-        crate::cuda::lm_head_fwd(s1, l1, s2, l2, &self.targets, self.chunk_tokens, self.invariant)
+        crate::cuda::lm_head_fwd(s1, l1, s2, l2, &self.targets, self.chunk_tokens, self.gemm())
     }
 
     fn bwd(
@@ -572,6 +597,7 @@ impl CustomOp2 for LmHead {
         let op = LmHeadBwd {
             targets: self.targets.clone(),
             chunk_tokens: self.chunk_tokens,
+            bf16_logits: self.bf16_logits,
             fwd_out: res.clone(),
         };
         let packed = hidden.apply_op3_no_bwd(&lm_head, &grad.contiguous()?, &op)?;
@@ -586,6 +612,8 @@ impl CustomOp2 for LmHead {
 struct LmHeadBwd {
     targets: Arc<[u32]>,
     chunk_tokens: usize,
+    /// The forward's [`LmHead::bf16_logits`].
+    bf16_logits: bool,
     /// The forward's output: the CUDA backward reads each row's log-sum-exp and entropy from it
     /// (its third column, CUDA only); the CPU backward recomputes them.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -616,7 +644,8 @@ impl CustomOp3 for LmHeadBwd {
             let (hs, hl) = in_acc::<R>(s1, l1)?;
             let (ws, wl) = in_acc::<R>(s2, l2)?;
             let g = R::read(s3, l3)?;
-            let out = backward::<R>(&hs, &hl, &ws, &wl, &g, &self.targets, self.chunk_tokens, dims)?;
+            let round = self.bf16_logits && dtype == candle_core::DType::BF16;
+            let out = backward::<R>(&hs, &hl, &ws, &wl, &g, &self.targets, self.chunk_tokens, dims, round)?;
             let len = out.len();
             let out = if dtype == R::DTYPE { R::to_cpu_storage_owned(out) } else { R::write(out, dtype)? };
             Ok((out, Shape::from(len)))
@@ -635,6 +664,18 @@ impl CustomOp3 for LmHeadBwd {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let op = "logprobs_entropy backward";
         sizes(op, l1, l2, &self.targets, self.chunk_tokens)?;
-        crate::cuda::lm_head_bwd(s1, l1, s2, l2, s3, l3, &self.fwd_out, &self.targets, self.chunk_tokens)
+        let gemm = crate::cuda::HeadGemm::of(false, self.bf16_logits);
+        crate::cuda::lm_head_bwd(
+            s1,
+            l1,
+            s2,
+            l2,
+            s3,
+            l3,
+            &self.fwd_out,
+            &self.targets,
+            self.chunk_tokens,
+            gemm,
+        )
     }
 }

@@ -209,11 +209,12 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_index_add_rows(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
+    check_lm_head_bf16_logits(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
-    checks += 10;
+    checks += 11;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -1037,6 +1038,95 @@ fn check_lm_head_into(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -
             "rel err {worst:.1e} (dW sum and d_hidden, 1 and 4 chunks), in place {in_place}, kept logits = recomputed bits {same_bits}"
         ),
         worst <= TOL && in_place && same_bits,
+    );
+    Ok(())
+}
+
+/// `--lm-head-logits bf16` (`HeadLogits::Bf16`): the CUDA head (GEMM into bf16, the bf16 statistics
+/// and dlogits kernels) against the CPU kernels with the same setting (f32 logits rounded to bf16):
+/// forward and gradients through the op (the backward computing the logits again), and the
+/// training head's backward into an f32 sum with its kept bf16 logits and with them recomputed
+/// (the same bits). The setting must show: the GPU's log-probs are nearer the CPU's rounded ones
+/// than the CPU's f32 ones (mean error at most a tenth). Vocabularies of 40,000 (the last chunk
+/// 7232, whole 8-logit groups) and 30,001 (13,617: the bf16 kernels' one-at-a-time paths).
+fn check_lm_head_bf16_logits(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    use vime_kernels::{logprobs_entropy_backward, logprobs_entropy_saved_with, HeadLogits, KernelConfig};
+    let bf = KernelConfig::default()
+        .with_head_logits(HeadLogits::Bf16)
+        .map_err(candle_core::Error::msg)?;
+    let fp = KernelConfig::default();
+    let (t, hid) = (192usize, 1024usize);
+    let mut worst = 0f64;
+    let (mut nearer, mut same_bits) = (true, true);
+    let mut detail = Vec::new();
+    for vocab in [40_000usize, 30_001] {
+        let h = rng.randn(&[t, hid], 1.0, DType::BF16, &Device::Cpu)?;
+        let lm = rng.randn(&[vocab, hid], 0.06, DType::BF16, &Device::Cpu)?;
+        let mut tg: Vec<u32> = (0..t).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
+        tg[t - 1] = vime_kernels::IGNORE_TARGET;
+        let tg: Arc<[u32]> = tg.into();
+        let op = |a: &[Tensor]| -> Result<Tensor> {
+            let (lp, ent) = vime_kernels::logprobs_entropy_with(&a[0], &a[1], &tg, 64, &bf)?;
+            Tensor::cat(&[lp, ent], 0)
+        };
+        check(
+            &format!("logprobs_entropy (bf16 logits, V {vocab})"),
+            &op,
+            &[h.clone(), lm.clone()],
+            gpu,
+            failures,
+        )?;
+        // The setting shows: mean |GPU - CPU rounded| against mean |GPU - CPU f32 logits|.
+        let (hg, lmg) = (h.to_device(gpu)?, lm.to_device(gpu)?);
+        let (lp_g, _) = vime_kernels::logprobs_entropy_with(&hg, &lmg, &tg, 64, &bf)?;
+        let (lp_c, _) = vime_kernels::logprobs_entropy_with(&h, &lm, &tg, 64, &bf)?;
+        let (lp_c32, _) = vime_kernels::logprobs_entropy_with(&h, &lm, &tg, 64, &fp)?;
+        let mean_err = |a: &Tensor, b: &Tensor| -> Result<f64> {
+            (a.to_device(&Device::Cpu)?.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+                .abs()?
+                .mean_all()?
+                .to_scalar::<f64>()
+        };
+        let (e_same, e_other) = (mean_err(&lp_g, &lp_c)?, mean_err(&lp_g, &lp_c32)?);
+        nearer &= e_same <= 0.1 * e_other;
+        detail.push(format!(
+            "V {vocab}: mean |lp - rounded| {e_same:.1e} vs |lp - f32| {e_other:.1e}"
+        ));
+        // The training head: into an f32 sum, kept logits (default) and recomputed (cap 0).
+        let dlp = rng.randn(&[t], 1.0, DType::F32, &Device::Cpu)?;
+        let dent = rng.randn(&[t], 1.0, DType::F32, &Device::Cpu)?;
+        let (_, _, saved) = logprobs_entropy_saved_with(&h, &lm, &tg, 64, &bf)?;
+        let (dh_want, dw_want) = logprobs_entropy_backward(&saved, &h, &lm, &dlp, &dent)?;
+        let mut runs = Vec::new();
+        for cap in [None, Some(0)] {
+            let kc = bf.clone().with_head_logits_max_bytes(cap);
+            let (_, _, saved) = logprobs_entropy_saved_with(&hg, &lmg, &tg, 64, &kc)?;
+            let sum = Tensor::zeros((vocab, hid), DType::F32, gpu)?;
+            runs.push(vime_kernels::logprobs_entropy_backward_into(
+                &saved,
+                &hg,
+                &lmg,
+                &dlp.to_device(gpu)?,
+                &dent.to_device(gpu)?,
+                sum,
+            )?);
+        }
+        same_bits &= max_abs_diff(&runs[0].0, &runs[1].0)? == 0.0 && max_abs_diff(&runs[0].1, &runs[1].1)? == 0.0;
+        let (dh, dw) = &runs[0];
+        let to32 = |x: &Tensor| x.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        worst = worst
+            .max(rel_err(&to32(dw)?, &to32(&dw_want)?)?)
+            .max(rel_err(&to32(dh)?, &to32(&dh_want)?)?);
+    }
+    report(
+        failures,
+        "lm head bf16 logits",
+        &format!("[{t}, {hid}] x [40000 | 30001, {hid}] bf16"),
+        &format!(
+            "into sum rel err {worst:.1e}, kept = recomputed bits {same_bits}, nearer the rounded CPU head {nearer} ({})",
+            detail.join("; ")
+        ),
+        worst <= TOL && nearer && same_bits,
     );
     Ok(())
 }

@@ -272,3 +272,73 @@ fn bad_inputs_are_errors() -> Result<()> {
     assert!(msg.contains("share a dtype"), "{msg}");
     Ok(())
 }
+
+/// `--lm-head-logits bf16` on the CPU kernels (bf16 inputs): the log-probs and entropy are those
+/// of the logits rounded to bf16 (HF's and Megatron's head), not of the f32 logits; the backward
+/// differentiates the same rounded softmax (straight through the rounding). The CUDA kernels are
+/// held to these in `cuda_vs_cpu`.
+#[test]
+fn bf16_head_logits_are_the_rounded_logits() -> Result<()> {
+    use vime_kernels::{logprobs_entropy_with, HeadLogits, KernelConfig};
+    let (t, h, v) = (9, 32, 45);
+    let (hidden, lm_head) = inputs(t, h, v, DType::BF16, 21)?;
+    let lm_head = (lm_head * 6.0)?; // logits of a few units, where bf16's spacing is 1/64 - 1/32
+    let tg = targets(t, v, &[4], 22);
+    let bf = KernelConfig::default().with_head_logits(HeadLogits::Bf16).unwrap();
+    let (lp, ent) = logprobs_entropy_with(&hidden, &lm_head, &tg, 4, &bf)?;
+    let (lp32, ent32) = logprobs_entropy(&hidden, &lm_head, &tg, 4)?;
+    // The reference: the f32 logits, rounded to bf16, then log-softmax in f64.
+    let z = hidden
+        .to_dtype(DType::F32)?
+        .matmul(&lm_head.to_dtype(DType::F32)?.t()?)?;
+    let zr = z.to_dtype(DType::BF16)?.to_dtype(DType::F64)?;
+    let tg64: Vec<u32> = tg.to_vec();
+    let (lp_ref, ent_ref) = reference(&zr, &Tensor::eye(v, DType::F64, &Device::Cpu)?, &tg64)?;
+    let max_diff = |a: &Tensor, b: &Tensor| -> Result<f64> {
+        (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()
+    };
+    let (e_lp, e_ent) = (max_diff(&lp, &lp_ref)?, max_diff(&ent, &ent_ref)?);
+    assert!(
+        e_lp <= 2e-6 && e_ent <= 2e-6,
+        "bf16-logit log-prob err {e_lp}, entropy err {e_ent}"
+    );
+    // The rounding shows: the f32-logit outputs are farther from this reference than the bound.
+    let (d_lp, d_ent) = (max_diff(&lp32, &lp_ref)?, max_diff(&ent32, &ent_ref)?);
+    assert!(
+        d_lp > 1e-4 && d_ent > 1e-5,
+        "f32 logits within {d_lp} / {d_ent} of the rounded ones"
+    );
+
+    // Backward: the kernel's gradients against autograd over the rounded reference, whose
+    // rounding (a detached correction) passes the gradient straight through.
+    let (a, b) = weights(&tg, DType::F32, 23)?;
+    let grads = autograd_grads(
+        &|x| {
+            let (lp, ent) = logprobs_entropy_with(&x[0], &x[1], &tg, 4, &bf)?;
+            objective(&lp, &ent, &a, &b)
+        },
+        &[hidden.clone(), lm_head.clone()],
+    )?;
+    let (a64, b64) = (a.to_dtype(DType::F64)?, b.to_dtype(DType::F64)?);
+    let want = autograd_grads(
+        &|x| {
+            let z = x[0].matmul(&x[1].t()?)?;
+            let zr = (&z + (z.to_dtype(DType::F32)?.to_dtype(DType::BF16)?.to_dtype(DType::F64)? - &z)?.detach())?;
+            let (lp, ent) = reference(&zr, &Tensor::eye(v, DType::F64, &Device::Cpu)?, &tg64)?;
+            objective(&lp, &ent, &a64, &b64)
+        },
+        &[hidden.to_dtype(DType::F64)?, lm_head.to_dtype(DType::F64)?],
+    )?;
+    for (name, g, w) in [("hidden", &grads[0], &want[0]), ("lm_head", &grads[1], &want[1])] {
+        let e = rel_err(&g.to_dtype(DType::F64)?, w)?;
+        assert!(e <= 1e-2, "d_{name} rel err {e} against the rounded reference");
+    }
+    // Refused with the batch-invariant kernels (their head keeps f32 logits).
+    let inv = KernelConfig::default().with_batch_invariant(true);
+    let err = inv.with_head_logits(HeadLogits::Bf16).unwrap_err();
+    assert!(err.contains("--true-on-policy-mode"), "{err}");
+    Ok(())
+}

@@ -7,7 +7,8 @@
 //! - `check_adamw_multi.cpp`: the one-launch AdamW against one launch per tensor, 3 steps;
 //! - `check_widen_add.cpp`: bf16 gradients into f32 sums in one launch against cast and add;
 //! - `check_lmhead_stats.cpp`: the LM head's grouped statistics against a double log-softmax and
-//!   entropy (rescaling, tails, misaligned rows, chunk remainders).
+//!   entropy (rescaling, tails, misaligned rows, chunk remainders); its bf16-logits kernels against
+//!   the f32 ones on the same values, bit for bit.
 
 use std::path::Path;
 use std::process::Command;

@@ -12,7 +12,9 @@
 # Binary NAME is gpu-carry/vime-train-NAME.xz (`new`: gpu-carry/vime-train.xz), described by
 # gpu-carry/COMMIT-NAME (`new`: COMMIT); BIN_<NAME>=OTHER runs binary OTHER under the name NAME,
 # with ENV_<NAME>="VAR=VALUE ..." in its environment (e.g. BINS="base new lt0" BIN_lt0=new
-# ENV_lt0=VIME_GEMM_AUTOTUNE=0). Ends with `AB STEP (<model>): ...` per model.
+# ENV_lt0=VIME_GEMM_AUTOTUNE=0) and ARGS_<NAME>="--flag value" added to its bench-step flags
+# (e.g. BINS="base new bf" BIN_bf=new ARGS_bf="--lm-head-logits bf16"). Ends with
+# `AB STEP (<model>): ...` per model.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/ab_step_out}}
 MODELS=${MODELS:-"qwen3-0.6b qwen3-4b"}
@@ -27,6 +29,7 @@ xzof() { [ "$1" = new ] && echo gpu-carry/vime-train.xz || echo "gpu-carry/vime-
 commitof() { [ "$1" = new ] && cat gpu-carry/COMMIT 2>/dev/null || cat "gpu-carry/COMMIT-$1" 2>/dev/null || echo unknown; }
 binof() { local v="BIN_$1"; echo "${!v:-$1}"; }
 envof() { local v="ENV_$1"; echo "${!v:-}"; }
+argsof() { local v="ARGS_$1"; echo "${!v:-}"; }
 for b in $BINS; do
   x=$(binof "$b")
   [ -x "/tmp/vime-train-ab-$x" ] || { xz -dc "$(xzof "$x")" > "/tmp/vime-train-ab-$x" && chmod +x "/tmp/vime-train-ab-$x"; }
@@ -34,7 +37,7 @@ done
 LOG="$OUT/ab-step.txt"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  for b in $BINS; do echo "$b: $(commitof "$(binof "$b")") $(envof "$b")"; done
+  for b in $BINS; do echo "$b: $(commitof "$(binof "$b")") $(envof "$b") $(argsof "$b")"; done
   echo "command: MODELS='$MODELS' BINS='$BINS' ROUNDS=$ROUNDS STEPS=$STEPS RECOMPUTE=$RECOMPUTE EXTRA='$EXTRA' scripts/gpu/ab_step.sh"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 } | tee -a "$LOG"
@@ -45,7 +48,7 @@ for m in $MODELS; do
     for b in $order; do
       # shellcheck disable=SC2086
       line=$(env $(envof "$b") timeout 300 "/tmp/vime-train-ab-$(binof "$b")" bench-step --model "$m" --seq-len 4096 --max-tokens-per-gpu 8192 \
-        --recompute "$RECOMPUTE" --steps "$STEPS" --warmup 2 $EXTRA 2>&1 | grep -E '^RESULT|rror' | tail -1)
+        --recompute "$RECOMPUTE" --steps "$STEPS" --warmup 2 $EXTRA $(argsof "$b") 2>&1 | grep -E '^RESULT|rror' | tail -1)
       echo "$b $line" | tee -a "$LOG"
     done
   done

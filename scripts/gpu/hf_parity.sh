@@ -10,6 +10,8 @@
 set -euo pipefail
 OUT=${1:-${OUT:-/tmp/hf_parity_out}}
 MODELS=${MODELS:-"0.6b 4b"}
+# Extra flags for `vime-train grad` (e.g. GRAD_ARGS="--lm-head-logits bf16").
+GRAD_ARGS=${GRAD_ARGS:-}
 mkdir -p "$OUT"
 source gpu-carry/device-env.sh
 BIN=/tmp/vime-train
@@ -17,7 +19,7 @@ BIN=/tmp/vime-train
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "commit: $(cat gpu-carry/COMMIT 2>/dev/null || echo unknown)"
-  echo "command: scripts/gpu/hf_parity.sh $*"
+  echo "command: GRAD_ARGS='$GRAD_ARGS' MODELS='$MODELS' scripts/gpu/hf_parity.sh $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee "$OUT/hf_parity.txt"
 verdict=PASS
@@ -26,12 +28,12 @@ for m in $MODELS; do
   rm -rf "$D"
   python3 scripts/gpu/hf_parity.py make --model "$m" --dir "$D" 2>&1 | tee -a "$OUT/hf_parity.txt"
   "$BIN" grad --hf-checkpoint "$D/model" --batch "$D/batch.safetensors" --output "$D/vime.safetensors" \
-    --dtype bf16 --device cuda --recompute full 2>&1 | tee -a "$OUT/hf_parity.txt"
+    --dtype bf16 --device cuda --recompute full $GRAD_ARGS 2>&1 | tee -a "$OUT/hf_parity.txt"
   if ! python3 scripts/gpu/hf_parity.py compare --dir "$D" 2>&1 | tee -a "$OUT/hf_parity.txt"; then
     verdict=FAIL
   fi
   cp "$D/parity.json" "$OUT/parity-$m.json" 2>/dev/null || true
   rm -rf "$D"
 done
-echo "HF PARITY VERDICT ($MODELS): $verdict" | tee -a "$OUT/hf_parity.txt"
+echo "HF PARITY VERDICT ($MODELS${GRAD_ARGS:+, $GRAD_ARGS}): $verdict" | tee -a "$OUT/hf_parity.txt"
 [ "$verdict" = PASS ]

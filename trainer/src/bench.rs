@@ -94,6 +94,8 @@ pub struct BenchArgs {
     pub deterministic_mode: bool,
     #[command(flatten)]
     pub fp8: crate::device::Fp8Args,
+    #[command(flatten)]
+    pub head: crate::device::HeadArgs,
     /// equal: every micro-batch is `--max-tokens-per-gpu` tokens of `--seq-len`-token sequences.
     /// ragged: an RL step's shape, `--samples` samples per optimizer step, each a prompt of
     /// 64-511 tokens (uniform) and a response whose length is log-normal (median
@@ -310,6 +312,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         vime_kernels::CudnnFailure::Fallback,
     )?
     .with_fp8(args.fp8.enabled()?);
+    let kernels = args.head.apply(kernels)?;
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -522,6 +525,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "nan_guard": args.nan_guard,
         "entropy_coef": args.entropy_coef,
         "fp8": args.fp8.fp8_format.as_ref().map(|f| format!("{f} {}", args.fp8.fp8_recipe)),
+        "lm_head_logits": args.head.lm_head_logits,
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,
         "cudnn_version": vime_kernels::cudnn_version(),
@@ -733,6 +737,7 @@ mod tests {
             attention_backend: "auto".into(),
             deterministic_mode: false,
             fp8: Default::default(),
+            head: Default::default(),
             lengths: "equal".into(),
             samples: 64,
             response_median: 1024,

@@ -72,6 +72,38 @@ impl Fp8Args {
     }
 }
 
+/// The LM head's logits dtype on CUDA (bf16 models).
+#[derive(clap::Args, Debug, Clone)]
+pub struct HeadArgs {
+    /// The dtype of the LM head's logits on CUDA: fp32 (the GEMM writes its f32 sums; no logit
+    /// is rounded) or bf16 (rounded to bf16 as HF's lm_head and Megatron-Core's output layer give
+    /// them, then a f32 softmax: half the logits' bytes and memory). bf16 is refused with
+    /// --true-on-policy-mode (the engine samples from f32 logits) and with --tp > 1 (the
+    /// vocabulary-parallel head keeps f32 logits).
+    #[arg(long, default_value = "fp32")]
+    pub lm_head_logits: String,
+}
+
+impl Default for HeadArgs {
+    fn default() -> Self {
+        Self {
+            lm_head_logits: "fp32".into(),
+        }
+    }
+}
+
+impl HeadArgs {
+    /// `kernels` with the head's logits as the flag says (an error for a bad value or a pairing
+    /// the kernels refuse).
+    pub fn apply(&self, kernels: vime_kernels::KernelConfig) -> Result<vime_kernels::KernelConfig> {
+        let logits: vime_kernels::HeadLogits = self
+            .lm_head_logits
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--lm-head-logits: {e}"))?;
+        kernels.with_head_logits(logits).map_err(|e| anyhow::anyhow!(e))
+    }
+}
+
 /// The kernel config of `--attention-backend` and `--deterministic-mode` for the model(s) of this
 /// process, with what a cuDNN failure does: `Fallback` (one process: report it, then the flash
 /// kernel) or `Error` (several ranks: no rank may switch kernels alone).
@@ -125,6 +157,29 @@ mod tests {
             let e = f(Some(format), recipe).enabled().unwrap_err().to_string();
             assert!(e.contains(says), "{format} {recipe}: {e}");
         }
+    }
+
+    #[test]
+    fn lm_head_logits_flag_sets_the_head_or_says_why_not() {
+        let f = |v: &str| HeadArgs {
+            lm_head_logits: v.into(),
+        };
+        let k = vime_kernels::KernelConfig::default();
+        assert_eq!(
+            f("fp32").apply(k.clone()).unwrap().head_logits(),
+            vime_kernels::HeadLogits::Fp32
+        );
+        assert_eq!(
+            f("bf16").apply(k.clone()).unwrap().head_logits(),
+            vime_kernels::HeadLogits::Bf16
+        );
+        let e = f("fp16").apply(k.clone()).unwrap_err().to_string();
+        assert!(
+            e.contains("--lm-head-logits") && e.contains("fp16") && e.contains("fp32 or bf16"),
+            "{e}"
+        );
+        let e = f("bf16").apply(k.with_batch_invariant(true)).unwrap_err().to_string();
+        assert!(e.contains("--true-on-policy-mode"), "{e}");
     }
 
     #[test]

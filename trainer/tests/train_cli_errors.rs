@@ -355,6 +355,23 @@ fn fp8_flags_vime_lacks_or_an_f32_run_are_named_before_any_rollout() -> Result<(
 }
 
 #[test]
+fn lm_head_logits_values_and_pairings_vime_refuses_are_named() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let model = model_in(tmp.path())?;
+    let prompts = write(&tmp.path().join("p.jsonl"), GOOD_ROWS)?;
+    let m = model.display().to_string();
+    let err = run_error(flags(&m, &prompts, &["--lm-head-logits", "fp16"]));
+    assert_mentions(&err, &["--lm-head-logits", "\"fp16\"", "fp32 or bf16"]);
+    let err = run_error(flags(
+        &m,
+        &prompts,
+        &["--lm-head-logits", "bf16", "--true-on-policy-mode"],
+    ));
+    assert_mentions(&err, &["--lm-head-logits bf16", "--true-on-policy-mode"]);
+    Ok(())
+}
+
+#[test]
 fn unreachable_vllm_engine_names_the_url_and_does_not_hang() -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let model = model_in(tmp.path())?;

@@ -86,6 +86,8 @@ enum Cmd {
         recompute: String,
         #[command(flatten)]
         fp8: vime_trainer::device::Fp8Args,
+        #[command(flatten)]
+        head: vime_trainer::device::HeadArgs,
     },
 }
 
@@ -221,16 +223,15 @@ fn run(cli: Cli) -> Result<i32> {
             device,
             recompute,
             fp8,
+            head,
         }) => {
             let device = parse_device(&device)?;
             let dtype = parse_dtype(&dtype)?;
             let t0 = std::time::Instant::now();
             let mut model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
                 .with_context(|| format!("loading the checkpoint {}", hf_checkpoint.display()))?;
-            if fp8.enabled()? {
-                let k = model.kernel_config().clone().with_fp8(true);
-                model.set_kernel_config(k);
-            }
+            let k = head.apply(model.kernel_config().clone().with_fp8(fp8.enabled()?))?;
+            model.set_kernel_config(k);
             device.synchronize()?;
             let loaded = t0.elapsed().as_secs_f64();
             let t1 = std::time::Instant::now();

@@ -75,6 +75,8 @@ pub struct TrainArgs {
     pub true_on_policy_mode: bool,
     #[command(flatten)]
     pub fp8: crate::device::Fp8Args,
+    #[command(flatten)]
+    pub head: crate::device::HeadArgs,
     /// Megatron's seed: rollout sampling, eval sampling and the critic head's init derive from it.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
