@@ -486,6 +486,7 @@ fn dlogits_row<R: Real>(row: &mut [R], target: u32, g_lp: R, g_ent: R) {
 }
 
 /// Returns `[lp_0, H_0, lp_1, H_1, ...]`.
+#[allow(clippy::too_many_arguments)]
 fn forward<R: Real + WithDType>(
     hs: &CpuStorage,
     hl: &Layout,
