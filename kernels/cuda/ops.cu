@@ -591,16 +591,19 @@ __device__ __forceinline__ void softmax_stats_merge(float& m, float& s, float& a
     a = an;
 }
 
+// Moves a thread's running statistics to a larger max mn (their sums rescaled by exp(m - mn)).
+__device__ __forceinline__ void softmax_stats_raise(float& m, float& s, float& a, float mn) {
+    if (s > 0.f) {
+        const float f = expf(m - mn);
+        a = (a + (m - mn) * s) * f;
+        s *= f;
+    }
+    m = mn;
+}
+
 // Adds one logit to a thread's running statistics (online softmax: the max moves as it goes).
 __device__ __forceinline__ void softmax_stats_add(float& m, float& s, float& a, float z) {
-    if (z > m) {
-        if (s > 0.f) {
-            const float f = expf(m - z);
-            a = (a + (m - z) * s) * f;
-            s *= f;
-        }
-        m = z;
-    }
+    if (z > m) softmax_stats_raise(m, s, a, z);
     const float zz = z - m;
     const float e = expf(zz);
     s += e;
@@ -617,14 +620,7 @@ __device__ __forceinline__ void softmax_stats_addn(float& m, float& s, float& a,
     float gm = x[0];
 #pragma unroll
     for (int i = 1; i < N; ++i) gm = fmaxf(gm, x[i]);
-    if (gm > m) {
-        if (s > 0.f) {
-            const float f = expf(m - gm);
-            a = (a + (m - gm) * s) * f;
-            s *= f;
-        }
-        m = gm;
-    }
+    if (gm > m) softmax_stats_raise(m, s, a, gm);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         const float d = x[i] - m;
