@@ -1070,6 +1070,7 @@ pub(crate) fn lm_head_shard_stats(
     targets: &[u32],
     v_offset: usize,
     chunk_tokens: usize,
+    gemm: HeadGemm,
 ) -> Result<Tensor> {
     check_bf16("vocab-parallel LM head", &[h.dtype(), w.dtype()])?;
     let dev = cuda_dev(h, "vocab-parallel LM head")?;
@@ -1088,7 +1089,7 @@ pub(crate) fn lm_head_shard_stats(
         slice_addr(&tg, &dev),
         chunk_tokens,
         v_offset,
-        HeadGemm::F32,
+        gemm,
         false,
     )?;
     Ok(device_tensor(stats, &dev, (t, 4)))
@@ -1106,6 +1107,7 @@ pub(crate) fn lm_head_shard_bwd(
     fwd_out: &Tensor,
     grad: &Tensor,
     chunk_tokens: usize,
+    gemm: HeadGemm,
 ) -> Result<(Tensor, Tensor)> {
     check_bf16("vocab-parallel LM head backward", &[h.dtype(), w.dtype()])?;
     check_head_grad(grad.dtype(), fwd_out)?;
@@ -1138,7 +1140,7 @@ pub(crate) fn lm_head_shard_bwd(
         dho,
         dwo,
         None,
-        HeadGemm::F32,
+        gemm,
         v_offset,
     )?;
     Ok((device_tensor(dh, &dev, (t, hid)), device_tensor(dw, &dev, (v, hid))))

@@ -295,6 +295,7 @@ pub fn shard_stats(
     targets: &[u32],
     v_offset: usize,
     chunk_tokens: usize,
+    logits: HeadLogits,
 ) -> Result<Option<Tensor>> {
     if !shard_kernels(hidden, w_shard) {
         return Ok(None);
@@ -303,11 +304,12 @@ pub fn shard_stats(
     #[cfg(feature = "cuda")]
     let out = {
         let (h, w) = (hidden.contiguous()?, w_shard.contiguous()?);
-        crate::cuda::lm_head_shard_stats(&h, &w, targets, v_offset, chunk_tokens).map(Some)
+        let gemm = crate::cuda::HeadGemm::of(false, logits == HeadLogits::Bf16);
+        crate::cuda::lm_head_shard_stats(&h, &w, targets, v_offset, chunk_tokens, gemm).map(Some)
     };
     #[cfg(not(feature = "cuda"))]
     let out = {
-        let _ = v_offset;
+        let _ = (v_offset, logits);
         Ok(None)
     };
     out
@@ -329,6 +331,7 @@ pub fn shard_backward(
     d_logprobs: &Tensor,
     d_entropy: &Tensor,
     chunk_tokens: usize,
+    logits: HeadLogits,
 ) -> Result<Option<(Tensor, Tensor)>> {
     if !shard_kernels(hidden, w_shard) {
         return Ok(None);
@@ -349,11 +352,12 @@ pub fn shard_backward(
     #[cfg(feature = "cuda")]
     let out = {
         let (h, w) = (hidden.contiguous()?, w_shard.contiguous()?);
-        crate::cuda::lm_head_shard_bwd(&h, &w, targets, v_offset, &fwd_out, &grad, chunk_tokens).map(Some)
+        let gemm = crate::cuda::HeadGemm::of(false, logits == HeadLogits::Bf16);
+        crate::cuda::lm_head_shard_bwd(&h, &w, targets, v_offset, &fwd_out, &grad, chunk_tokens, gemm).map(Some)
     };
     #[cfg(not(feature = "cuda"))]
     let out = {
-        let _ = (v_offset, fwd_out, grad);
+        let _ = (v_offset, fwd_out, grad, logits);
         Ok(None)
     };
     out

@@ -77,9 +77,9 @@ impl Fp8Args {
 pub struct HeadArgs {
     /// The dtype of the LM head's logits on CUDA: fp32 (the GEMM writes its f32 sums; no logit
     /// is rounded) or bf16 (rounded to bf16 as HF's lm_head and Megatron-Core's output layer give
-    /// them, then a f32 softmax: half the logits' bytes and memory). bf16 is refused with
-    /// --true-on-policy-mode (the engine samples from f32 logits) and with --tp > 1 (the
-    /// vocabulary-parallel head keeps f32 logits).
+    /// them, then a f32 softmax: half the logits' bytes and memory; under --tp > 1 each rank's
+    /// vocabulary shard alike). bf16 is refused with --true-on-policy-mode (the engine samples
+    /// from f32 logits).
     #[arg(long, default_value = "fp32")]
     pub lm_head_logits: String,
 }

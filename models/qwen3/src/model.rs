@@ -645,7 +645,10 @@ impl Qwen3 {
 
     /// This rank's vocabulary slice.
     fn vocab_shard(&self) -> Result<crate::vocab_parallel::VocabShard> {
-        crate::vocab_parallel::VocabShard::new(self.cfg.vocab_size, self.tp.rank, self.tp.size)
+        Ok(
+            crate::vocab_parallel::VocabShard::new(self.cfg.vocab_size, self.tp.rank, self.tp.size)?
+                .with_head_logits(self.ctx.kernels.head_logits()),
+        )
     }
 
     /// With sequence parallelism, the batch's tokens must split evenly over the TP ranks.

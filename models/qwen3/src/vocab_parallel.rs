@@ -31,12 +31,15 @@ use candle_core::{DType, Device, Tensor, D};
 use vime_dist::{Collectives, ReduceOp};
 use vime_kernels::lm_head::IGNORE_TARGET;
 
-/// This rank's slice of the vocabulary.
+/// This rank's slice of the vocabulary, and how its logits are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VocabShard {
     pub offset: usize,
     pub len: usize,
     pub vocab: usize,
+    /// `--lm-head-logits bf16` (`vime_kernels::HeadLogits::Bf16`): bf16 inputs' logits rounded to
+    /// bf16 before the softmax, as the unsharded head does (false: f32 logits, the default).
+    pub bf16_logits: bool,
 }
 
 impl VocabShard {
@@ -53,7 +56,33 @@ impl VocabShard {
             offset: tp_rank * len,
             len,
             vocab,
+            bf16_logits: false,
         })
+    }
+
+    /// This shard with its logits in `logits` (`vime_kernels::HeadLogits`).
+    pub fn with_head_logits(mut self, logits: vime_kernels::HeadLogits) -> Self {
+        self.bf16_logits = logits == vime_kernels::HeadLogits::Bf16;
+        self
+    }
+
+    /// The shard's logits `[n, V_r]` of `x` (accumulation dtype) against `w` (the same), rounded
+    /// to bf16 and back where the shard says so and the inputs are bf16.
+    fn logits(&self, x: &Tensor, w: &Tensor, input: DType) -> Result<Tensor> {
+        let z = x.matmul(&w.t()?)?;
+        if self.bf16_logits && input == DType::BF16 {
+            Ok(z.to_dtype(DType::BF16)?.to_dtype(z.dtype())?)
+        } else {
+            Ok(z)
+        }
+    }
+
+    fn head_logits(&self) -> vime_kernels::HeadLogits {
+        if self.bf16_logits {
+            vime_kernels::HeadLogits::Bf16
+        } else {
+            vime_kernels::HeadLogits::Fp32
+        }
     }
 }
 
@@ -129,7 +158,14 @@ pub fn vocab_parallel_logprobs_entropy(
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor, VocabParallelSaved)> {
     check(hidden, lm_head, targets, shard)?;
-    if let Some(stats) = vime_kernels::lm_head::shard_stats(hidden, lm_head, targets, shard.offset, chunk_tokens)? {
+    if let Some(stats) = vime_kernels::lm_head::shard_stats(
+        hidden,
+        lm_head,
+        targets,
+        shard.offset,
+        chunk_tokens,
+        shard.head_logits(),
+    )? {
         return merged_shard_stats(&stats, targets, tp);
     }
     let acc = acc_dtype(hidden.dtype());
@@ -141,7 +177,7 @@ pub fn vocab_parallel_logprobs_entropy(
     while start < t {
         let n = chunk.min(t - start);
         let x = hidden.narrow(0, start, n)?.to_dtype(acc)?;
-        let z = x.matmul(&w.t()?)?; // [n, V_r]
+        let z = shard.logits(&x, &w, hidden.dtype())?; // [n, V_r]
         let m = tp.all_reduce(&z.max_keepdim(D::Minus1)?, ReduceOp::Max)?; // [n, 1]
         let e = z.broadcast_sub(&m)?.exp()?;
         let (idx, mine) = local_targets(&targets[start..start + n], shard, hidden.device(), acc)?;
@@ -247,6 +283,7 @@ pub fn vocab_parallel_logprobs_entropy_backward(
         g_lp,
         g_ent,
         chunk_tokens,
+        shard.head_logits(),
     )? {
         let dh = tp.all_reduce(&dh, ReduceOp::Sum)?;
         return Ok((dh.to_dtype(hidden.dtype())?, dw));
@@ -260,7 +297,7 @@ pub fn vocab_parallel_logprobs_entropy_backward(
     while start < t {
         let n = chunk.min(t - start);
         let x = hidden.narrow(0, start, n)?.to_dtype(acc)?;
-        let z = x.matmul(&w.t()?)?;
+        let z = shard.logits(&x, &w, hidden.dtype())?;
         let lse = saved.lse.narrow(0, start, n)?.unsqueeze(1)?;
         let ent = saved.entropy.narrow(0, start, n)?.unsqueeze(1)?;
         let p = z.broadcast_sub(&lse)?.exp()?;

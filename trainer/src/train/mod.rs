@@ -290,13 +290,6 @@ impl<'a> Run<'a> {
                 .with_batch_invariant(args.true_on_policy_mode)
                 .with_fp8(args.fp8.enabled()?);
         let kernels = args.head.apply(kernels)?;
-        if kernels.head_logits() == vime_kernels::HeadLogits::Bf16 && world.dims().tp > 1 {
-            anyhow::bail!(
-                "--lm-head-logits bf16 with --tp {}: the vocabulary-parallel LM head keeps f32 logits (bf16 logits \
-                 are implemented for the unsharded head, --tp 1)",
-                world.dims().tp
-            );
-        }
         if args.true_on_policy_mode && world.rank() == 0 {
             let d = world.dims();
             if d.tp > 1 || d.cp > 1 || args.rollout_engine != "embedded" {
