@@ -1099,6 +1099,7 @@ pub(crate) fn lm_head_shard_stats(
 /// f32 (this shard's share, to be summed over the shards), `d_w` `[V_shard, H]` bf16. `fwd_out`:
 /// `[T, 3]` f32 (logprob, entropy, lse) over the whole vocabulary; `grad`: `[T, 3]` f32 (the
 /// gradients of logprob and entropy, then zeros). Shapes as [`lm_head_shard_stats`]'s.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn lm_head_shard_bwd(
     h: &Tensor,
     w: &Tensor,
