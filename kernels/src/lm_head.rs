@@ -133,9 +133,9 @@ enum SavedLmHead {
         op: LmHead,
         /// The op's raw output (`[T, 2]`, or `[T, 3]` with the log-sum-exp on CUDA).
         out: Tensor,
-        /// On CUDA, the forward's f32 logits when they fit `KernelConfig::head_logits_max_bytes`
-        /// (`[T * V]`, in the kernels' block order), which the backward reads instead of
-        /// computing them again.
+        /// On CUDA, the forward's logits (f32, or bf16 under `HeadLogits::Bf16`) when they fit
+        /// `KernelConfig::head_logits_max_bytes` (`[T * V]`, in the kernels' block order), which
+        /// the backward reads instead of computing them again.
         #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         logits: Option<Tensor>,
     },
