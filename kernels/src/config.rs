@@ -142,10 +142,10 @@ pub struct KernelConfig {
     /// run their GEMMs in FP8 (`crate::fp8`): E4M3 weights and activations, E5M2 gradients,
     /// one scale per tensor from its own amax. The LM head, norms and attention stay bf16.
     fp8: bool,
-    /// The most bytes of logits (f32, or bf16 under `HeadLogits::Bf16`) the LM head's training forward on CUDA keeps for its
-    /// backward (which otherwise runs the logits GEMM again: the same bits either way). `None`:
-    /// 1/16 of the device's memory (8.9 GB on an H200: 14.6k tokens of Qwen3's 151,936-entry
-    /// vocabulary); `Some(0)`: always recompute.
+    /// The most bytes of logits (f32, or bf16 under `HeadLogits::Bf16`) the LM head's training
+    /// forward on CUDA keeps for its backward (which otherwise runs the logits GEMM again: the
+    /// same bits either way). `None`: 1/16 of the device's memory (8.9 GB on an H200: 14.6k
+    /// tokens of Qwen3's 151,936-entry f32 vocabulary rows); `Some(0)`: always recompute.
     head_logits_max_bytes: Option<usize>,
     /// The LM head's logits dtype on CUDA ([`HeadLogits`]).
     head_logits: HeadLogits,
