@@ -197,24 +197,19 @@ impl KernelConfig {
     /// This config with the LM head's logits in `logits` ([`HeadLogits`]). `Bf16` with the
     /// batch-invariant kernels is an error.
     pub fn with_head_logits(mut self, logits: HeadLogits) -> Result<Self, String> {
-        self.head_logits = logits;
-        self.check_head_logits()?;
-        Ok(self)
-    }
-
-    pub fn head_logits(&self) -> HeadLogits {
-        self.head_logits
-    }
-
-    fn check_head_logits(&self) -> Result<(), String> {
-        if self.batch_invariant && self.head_logits == HeadLogits::Bf16 {
+        if self.batch_invariant && logits == HeadLogits::Bf16 {
             return Err(
                 "--lm-head-logits bf16 does not go with --true-on-policy-mode, whose batch-invariant \
                  LM head keeps f32 logits (the ones the built-in engine samples from)"
                     .to_string(),
             );
         }
-        Ok(())
+        self.head_logits = logits;
+        Ok(self)
+    }
+
+    pub fn head_logits(&self) -> HeadLogits {
+        self.head_logits
     }
 
     /// This config with the batch-invariant kernels on or off (see the field's docs).

@@ -918,7 +918,6 @@ impl LogitsBuf {
 
 /// Forward: `[T, 3]` f32 = (logprob, entropy, lse) per token. The public op narrows the first two
 /// columns; the backward reads lse from the saved output.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn lm_head_fwd(
     h: &CudaStorage,
     lh: &Layout,
@@ -1341,11 +1340,6 @@ fn lm_head_bwd_core(
     let rows_max = chunk_tokens.max(1).min(t);
     let vc_max = VOCAB_CHUNK.min(v);
     // The recomputed logits' block (unused when they are kept), f32 or bf16 as the forward's.
-    let gemm_kind = if gemm_kind.bf16() {
-        HeadGemm::Bf16
-    } else {
-        HeadGemm::F32
-    };
     let logits = gemm_kind.alloc(dev, if kept.is_some() { 1 } else { rows_max * vc_max })?;
     let mut kept_at = 0u64;
     let dz = unsafe { dev.alloc::<bf16>(rows_max * vc_max) }?;

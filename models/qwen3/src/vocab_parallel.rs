@@ -30,6 +30,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, D};
 use vime_dist::{Collectives, ReduceOp};
 use vime_kernels::lm_head::IGNORE_TARGET;
+use vime_kernels::HeadLogits;
 
 /// This rank's slice of the vocabulary, and how its logits are computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,9 +38,9 @@ pub struct VocabShard {
     pub offset: usize,
     pub len: usize,
     pub vocab: usize,
-    /// `--lm-head-logits bf16` (`vime_kernels::HeadLogits::Bf16`): bf16 inputs' logits rounded to
-    /// bf16 before the softmax, as the unsharded head does (false: f32 logits, the default).
-    pub bf16_logits: bool,
+    /// `--lm-head-logits`: with `Bf16`, bf16 inputs' logits are rounded to bf16 before the
+    /// softmax, as the unsharded head does (the default `Fp32`: f32 logits).
+    pub logits: HeadLogits,
 }
 
 impl VocabShard {
@@ -56,13 +57,13 @@ impl VocabShard {
             offset: tp_rank * len,
             len,
             vocab,
-            bf16_logits: false,
+            logits: HeadLogits::Fp32,
         })
     }
 
-    /// This shard with its logits in `logits` (`vime_kernels::HeadLogits`).
-    pub fn with_head_logits(mut self, logits: vime_kernels::HeadLogits) -> Self {
-        self.bf16_logits = logits == vime_kernels::HeadLogits::Bf16;
+    /// This shard with its logits in `logits`.
+    pub fn with_head_logits(mut self, logits: HeadLogits) -> Self {
+        self.logits = logits;
         self
     }
 
@@ -70,18 +71,10 @@ impl VocabShard {
     /// to bf16 and back where the shard says so and the inputs are bf16.
     fn logits(&self, x: &Tensor, w: &Tensor, input: DType) -> Result<Tensor> {
         let z = x.matmul(&w.t()?)?;
-        if self.bf16_logits && input == DType::BF16 {
+        if self.logits == HeadLogits::Bf16 && input == DType::BF16 {
             Ok(z.to_dtype(DType::BF16)?.to_dtype(z.dtype())?)
         } else {
             Ok(z)
-        }
-    }
-
-    fn head_logits(&self) -> vime_kernels::HeadLogits {
-        if self.bf16_logits {
-            vime_kernels::HeadLogits::Bf16
-        } else {
-            vime_kernels::HeadLogits::Fp32
         }
     }
 }
@@ -158,14 +151,9 @@ pub fn vocab_parallel_logprobs_entropy(
     chunk_tokens: usize,
 ) -> Result<(Tensor, Tensor, VocabParallelSaved)> {
     check(hidden, lm_head, targets, shard)?;
-    if let Some(stats) = vime_kernels::lm_head::shard_stats(
-        hidden,
-        lm_head,
-        targets,
-        shard.offset,
-        chunk_tokens,
-        shard.head_logits(),
-    )? {
+    if let Some(stats) =
+        vime_kernels::lm_head::shard_stats(hidden, lm_head, targets, shard.offset, chunk_tokens, shard.logits)?
+    {
         return merged_shard_stats(&stats, targets, tp);
     }
     let acc = acc_dtype(hidden.dtype());
@@ -283,7 +271,7 @@ pub fn vocab_parallel_logprobs_entropy_backward(
         g_lp,
         g_ent,
         chunk_tokens,
-        shard.head_logits(),
+        shard.logits,
     )? {
         let dh = tp.all_reduce(&dh, ReduceOp::Sum)?;
         return Ok((dh.to_dtype(hidden.dtype())?, dw));
