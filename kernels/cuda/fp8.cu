@@ -95,7 +95,15 @@ __device__ __forceinline__ unsigned int gather4(unsigned int a, unsigned int b, 
 // q = fp8(x * scale) for x [rows, cols] (row-major, contiguous) into out [rows, cols] and, when
 // out_t is not null, into out_t [cols, ld_t] (the transpose, which Hopper's FP8 GEMMs need for
 // the backward: they take only K-major operands; ld_t >= rows, the columns past rows zeros or
-// untouched). The scale comes from the nparts amax partials of vime_fp8_amax.
+// untouched).
+//
+// The scale: current scaling (amax_in null) from the nparts amax partials of vime_fp8_amax;
+// delayed scaling (amax_in not null) from *amax_in, an amax of earlier tensors (partial is not
+// read), divided by 2^margin (scale_mul = 2^-margin, exact). record, when not null, is an f32
+// amax (its bits, an unsigned int) raised by atomicMax to this tensor's amax: with current
+// scaling block (0, 0) raises it to the amax it scaled by; with delayed scaling every block to its
+// tile's max |x| (NaNs ignored, as fmaxf does). Non-negative floats order as their bits, so the
+// result is the max whatever the blocks' order.
 //
 // Block (256) over a 64 x 128 tile, grid (ceil(cols / 128), ceil(rows / 64)). The load: 16
 // threads a row, 8 values (16 bytes) each, four rows in flight per thread; the row-major store,
@@ -107,14 +115,21 @@ __device__ __forceinline__ unsigned int gather4(unsigned int a, unsigned int b, 
 #define CT_PITCH 33
 extern "C" __global__ void __launch_bounds__(256)
 vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int* __restrict__ partial,
-              int nparts, float* __restrict__ scale_inv, unsigned char* __restrict__ out,
+              int nparts, const float* __restrict__ amax_in, float scale_mul, unsigned int* __restrict__ record,
+              float* __restrict__ scale_inv, unsigned char* __restrict__ out,
               unsigned char* __restrict__ out_t, int ld_t, int e5m2) {
     __shared__ unsigned int tile[CT_ROWS * CT_PITCH];
     float a = 0.f;
-    for (int i = threadIdx.x; i < nparts; i += blockDim.x) a = fmaxf(a, __uint_as_float(partial[i]));
-    a = block_max(a);
+    if (amax_in != nullptr) {
+        a = *amax_in;
+    } else {
+        for (int i = threadIdx.x; i < nparts; i += blockDim.x) a = fmaxf(a, __uint_as_float(partial[i]));
+        a = block_max(a);
+        if (record != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+            atomicMax(record, __float_as_uint(a));
+    }
     const float fmax = e5m2 ? 57344.f : 448.f;
-    const float s = (a > 0.f && a <= 3.402823466e38f) ? __fdiv_rn(fmax, a) : 1.f;
+    const float s = (a > 0.f && a <= 3.402823466e38f) ? __fmul_rn(__fdiv_rn(fmax, a), scale_mul) : 1.f;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = __fdiv_rn(1.f, s);
     const int r0 = blockIdx.y * CT_ROWS, c0 = blockIdx.x * CT_COLS;
     const int seg = threadIdx.x & 15, sub = threadIdx.x >> 4;
@@ -137,6 +152,15 @@ vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int
                                   e[4] | ((unsigned)e[5] << 16), e[6] | ((unsigned)e[7] << 16));
             }
         }
+    }
+    // Delayed scaling's record: this tile's max |x| (the zeros of the rows and columns past the
+    // tensor do not move it). The condition is the same in every thread of the block.
+    if (amax_in != nullptr && record != nullptr) {
+        float m = 0.f;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) m = fmaxf(m, absmax8(u[p]));
+        m = block_max(m);
+        if (threadIdx.x == 0) atomicMax(record, __float_as_uint(m));
     }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -174,4 +198,22 @@ vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int
             for (int k = 0; k < 8 && rr + k < rows; ++k) out_t[at + k] = (unsigned char)((k < 4 ? t.x : t.y) >> (8 * (k & 3)));
         }
     }
+}
+
+// Delayed scaling's history, one row of width 2 + n_hist floats a slot: [pending, amax, h_0 ..
+// h_{n_hist-1}] (h_0 the newest). For each slot whose mask byte is set: the history moves one
+// place (the oldest drops), h_0 = pending, pending = 0, and amax = h_0 (most recent) or the max
+// of the history (use_max). Slots whose byte is 0 are left as they are. A thread a slot.
+extern "C" __global__ void vime_fp8_amax_commit(float* __restrict__ hist, const unsigned char* __restrict__ mask,
+                                                int slots, int n_hist, int use_max) {
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= slots || mask[s] == 0) return;
+    float* row = hist + (size_t)s * (2 + n_hist);
+    for (int i = n_hist - 1; i > 0; --i) row[2 + i] = row[1 + i];
+    row[2] = row[0];
+    row[0] = 0.f;
+    float a = row[2];
+    if (use_max)
+        for (int i = 1; i < n_hist; ++i) a = fmaxf(a, row[2 + i]);
+    row[1] = a;
 }

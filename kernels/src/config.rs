@@ -142,6 +142,10 @@ pub struct KernelConfig {
     /// run their GEMMs in FP8 (`crate::fp8`): E4M3 weights and activations, E5M2 gradients,
     /// one scale per tensor from its own amax. The LM head, norms and attention stay bf16.
     fp8: bool,
+    /// `--fp8-recipe delayed`: the activations and gradients of the FP8 layers take their scales
+    /// from amax histories (`crate::fp8::AmaxHistory`) instead of their own amax; the weights
+    /// keep current scaling. `None`: current scaling everywhere (tensorwise).
+    fp8_delayed: Option<crate::fp8::DelayedScaling>,
     /// The most bytes of logits (f32, or bf16 under `HeadLogits::Bf16`) the LM head's training
     /// forward on CUDA keeps for its backward (which otherwise runs the logits GEMM again: the
     /// same bits either way). `None`: 1/16 of the device's memory (8.9 GB on an H200: 14.6k
@@ -176,6 +180,7 @@ impl KernelConfig {
             batch_invariant: false,
             decode_kernel: DecodeKernel::default(),
             fp8: false,
+            fp8_delayed: None,
             head_logits_max_bytes: None,
             head_logits: HeadLogits::Fp32,
             cudnn_off: Arc::default(),
@@ -230,6 +235,17 @@ impl KernelConfig {
 
     pub fn fp8(&self) -> bool {
         self.fp8
+    }
+
+    /// This config with delayed scaling for the FP8 layers' activations and gradients (`None`:
+    /// current scaling); see the field's docs. Only meaningful with [`Self::with_fp8`] on.
+    pub fn with_fp8_delayed(mut self, delayed: Option<crate::fp8::DelayedScaling>) -> Self {
+        self.fp8_delayed = delayed;
+        self
+    }
+
+    pub fn fp8_delayed(&self) -> Option<crate::fp8::DelayedScaling> {
+        self.fp8_delayed
     }
 
     /// This config with decode attention run by `kernel` on CUDA.

@@ -96,7 +96,7 @@ macro_rules! launch {
 }
 
 mod fp8;
-pub(crate) use fp8::fp8_quantize;
+pub(crate) use fp8::{f32_addr, fp8_amax_commit, fp8_quantize, CastScale};
 pub use fp8::{fp8_matmul_t, Fp8Operand, Fp8Plan, Fp8Shape};
 
 /// Device address of a contiguous tensor's first element.

@@ -8,6 +8,11 @@
 //! - `q = fp8(x * scale)`, rounded to nearest even and saturated to `+-fp8_max`,
 //! - `scale_inv = 1 / scale`, which a GEMM multiplies its product by.
 //!
+//! Delayed scaling (`--fp8-recipe delayed`, [`AmaxHistory`]): the scale comes from an amax
+//! history of earlier tensors of the same role, so the cast reads its input once (no amax pass);
+//! the cast records the tensor's own amax as it goes, and [`AmaxHistory::commit`] moves it into
+//! the history. The history is state: a checkpoint saves it ([`AmaxHistory::to_host`]).
+//!
 //! [`quantize`] runs on every device: the CPU path here is the reference, the CUDA kernels
 //! (`cuda/fp8.cu`) match it bit for bit. It also writes the transpose on request, since Hopper's
 //! FP8 GEMMs take only K-major operands: a linear layer's backward needs `W^T`, `X^T` and `dY^T`.
@@ -53,6 +58,15 @@ impl Fp8Format {
 pub fn scale_for(amax: f32, format: Fp8Format) -> f32 {
     if amax > 0.0 && amax.is_finite() {
         format.max() / amax
+    } else {
+        1.0
+    }
+}
+
+/// `scale_for` times `mul` (`2^-margin` under delayed scaling; 1 otherwise: the same value).
+fn scale_times(amax: f32, format: Fp8Format, mul: f32) -> f32 {
+    if amax > 0.0 && amax.is_finite() {
+        format.max() / amax * mul
     } else {
         1.0
     }
@@ -259,7 +273,7 @@ pub fn quantize(x: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Ten
 /// need every dimension a multiple of 16, and a batch's token count is anything). The scale is
 /// the tensor's own: zeros do not move the amax.
 pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple: usize) -> Result<Fp8Tensor> {
-    let (rows, cols) = x.dims2()?;
+    let (rows, _) = x.dims2()?;
     if x.dtype() != DType::BF16 {
         bail!(
             "fp8 quantize: expected a bf16 tensor, got {:?} {:?}",
@@ -270,7 +284,9 @@ pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple:
     let rows_pad = rows.div_ceil(multiple.max(1)) * multiple.max(1);
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        let (data, data_t, scale_inv) = crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad)?;
+        let scale = crate::cuda::CastScale::CURRENT;
+        let (data, data_t, scale_inv) =
+            crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
         return Ok(Fp8Tensor {
             rows,
             data,
@@ -279,9 +295,23 @@ pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple:
             format,
         });
     }
+    Ok(quantize_cpu(x, format, transpose, rows_pad, None, 1.0)?.0)
+}
+
+/// The CPU reference of both scalings: the scale from `scale_amax` (delayed) or from `x`'s own
+/// amax (current, `None`), times `mul`; returns the FP8 tensor and `x`'s amax.
+fn quantize_cpu(
+    x: &Tensor,
+    format: Fp8Format,
+    transpose: bool,
+    rows_pad: usize,
+    scale_amax: Option<f32>,
+    mul: f32,
+) -> Result<(Fp8Tensor, f32)> {
+    let (rows, cols) = x.dims2()?;
     let v = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let amax = v.iter().fold(0f32, |m, &a| m.max(a.abs()));
-    let scale = scale_for(amax, format);
+    let scale = scale_times(scale_amax.unwrap_or(amax), format, mul);
     let mut q: Vec<u8> = v.iter().map(|&a| format.from_f32(a * scale)).collect();
     q.resize(rows_pad * cols, 0);
     let data_t = if transpose {
@@ -295,13 +325,251 @@ pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple:
     } else {
         None
     };
-    Ok(Fp8Tensor {
+    let t = Fp8Tensor {
         rows,
         data: Tensor::from_vec(q, (rows_pad, cols), x.device())?,
         data_t,
         scale_inv: Tensor::from_vec(vec![1.0 / scale], 1, x.device())?,
         format,
-    })
+    };
+    Ok((t, amax))
+}
+
+/// How delayed scaling turns a history into a scale: Megatron's `--fp8-amax-history-len`,
+/// `--fp8-amax-compute-algo` and `--fp8-margin` (defaults 1, most_recent, 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DelayedScaling {
+    /// Amaxes kept a slot (>= 1).
+    pub history_len: usize,
+    /// The scale from the largest amax in the history (`max`) or the newest (`most_recent`).
+    pub use_max: bool,
+    /// `scale = fp8_max / amax / 2^margin`.
+    pub margin: i32,
+}
+
+impl Default for DelayedScaling {
+    fn default() -> Self {
+        Self {
+            history_len: 1,
+            use_max: false,
+            margin: 0,
+        }
+    }
+}
+
+impl DelayedScaling {
+    /// An error naming the flag for a history length of 0 or a margin out of range.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.history_len == 0 || self.history_len > 65536 {
+            return Err(format!(
+                "--fp8-amax-history-len {}: expected 1 to 65536",
+                self.history_len
+            ));
+        }
+        if !(0..=64).contains(&self.margin) {
+            return Err(format!("--fp8-margin {}: expected 0 to 64", self.margin));
+        }
+        Ok(())
+    }
+    fn scale_mul(&self) -> f32 {
+        2f32.powi(-self.margin)
+    }
+}
+
+/// Where an [`AmaxHistory`]'s rows live: f32 `[slots, 2 + history_len]`, a row `[pending,
+/// amax, h_0 .. h_{n-1}]` (`h_0` the newest; `pending` the max of the tensors recorded since the
+/// last commit; `amax` what the next quantization scales by).
+#[derive(Debug)]
+enum Rows {
+    Host(Vec<f32>),
+    /// On a CUDA device, written in place by the cast and commit kernels.
+    #[cfg(feature = "cuda")]
+    Device(Tensor),
+}
+
+/// Delayed scaling's state for `slots` tensor roles (one per layer and linear input or output
+/// gradient): each role's amax history, and on the host which roles have one yet and which were
+/// recorded since the last commit.
+///
+/// - A role with no history yet is quantized with current scaling (an amax pass), which seeds it.
+/// - [`Self::quantize`] with `record` raises the role's pending amax to the tensor's amax; one
+///   without (a scoring pass, or a recompute's first forward) only reads the history, so a
+///   recompute quantizes with the same scale as the forward it repeats.
+/// - [`Self::commit`] (once a micro-batch's backward is queued) moves each recorded role's
+///   pending amax into its history.
+#[derive(Debug)]
+pub struct AmaxHistory {
+    cfg: DelayedScaling,
+    slots: usize,
+    rows: Rows,
+    seeded: Vec<bool>,
+    recorded: Vec<bool>,
+}
+
+impl AmaxHistory {
+    /// An empty history (no role seeded) on `device`.
+    pub fn new(cfg: DelayedScaling, slots: usize, device: &Device) -> Result<Self> {
+        cfg.check().map_err(candle_core::Error::Msg)?;
+        let width = 2 + cfg.history_len;
+        let rows = match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Rows::Device(Tensor::zeros((slots, width), DType::F32, device)?),
+            _ => Rows::Host(vec![0.0; slots * width]),
+        };
+        Ok(Self {
+            cfg,
+            slots,
+            rows,
+            seeded: vec![false; slots],
+            recorded: vec![false; slots],
+        })
+    }
+
+    pub fn config(&self) -> DelayedScaling {
+        self.cfg
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    fn width(&self) -> usize {
+        2 + self.cfg.history_len
+    }
+
+    /// [`quantize_padded`] of `x` for role `slot`: scaled by the role's history once it has
+    /// one, else by `x`'s own amax; with `record`, `x`'s amax joins the role's pending amax.
+    pub fn quantize(
+        &mut self,
+        slot: usize,
+        x: &Tensor,
+        format: Fp8Format,
+        transpose: bool,
+        multiple: usize,
+        record: bool,
+    ) -> Result<Fp8Tensor> {
+        if slot >= self.slots {
+            bail!("fp8 amax history: role {slot} of {}", self.slots);
+        }
+        let (rows, _) = x.dims2()?;
+        if x.dtype() != DType::BF16 {
+            bail!(
+                "fp8 quantize: expected a bf16 tensor, got {:?} {:?}",
+                x.dtype(),
+                x.dims()
+            );
+        }
+        let rows_pad = rows.div_ceil(multiple.max(1)) * multiple.max(1);
+        let (seeded, width, mul) = (self.seeded[slot], self.width(), self.cfg.scale_mul());
+        self.recorded[slot] |= record;
+        match &mut self.rows {
+            Rows::Host(h) => {
+                let row = &mut h[slot * width..(slot + 1) * width];
+                let (t, amax) = if seeded {
+                    quantize_cpu(x, format, transpose, rows_pad, Some(row[1]), mul)?
+                } else {
+                    quantize_cpu(x, format, transpose, rows_pad, None, 1.0)?
+                };
+                if record {
+                    row[0] = row[0].max(amax);
+                }
+                Ok(t)
+            }
+            #[cfg(feature = "cuda")]
+            Rows::Device(h) => {
+                if !x.device().same_device(h.device()) {
+                    bail!(
+                        "fp8 amax history: a tensor on {:?}, the history on {:?}",
+                        x.device(),
+                        h.device()
+                    );
+                }
+                let at = |i: usize| crate::cuda::f32_addr(h, slot * width + i, "fp8 amax history");
+                let scale = crate::cuda::CastScale {
+                    amax_in: if seeded { at(1)? } else { 0 },
+                    scale_mul: if seeded { mul } else { 1.0 },
+                    record: if record { at(0)? } else { 0 },
+                };
+                let (data, data_t, scale_inv) =
+                    crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
+                Ok(Fp8Tensor {
+                    rows,
+                    data,
+                    data_t,
+                    scale_inv,
+                    format,
+                })
+            }
+        }
+    }
+
+    /// Moves each role recorded since the last commit into its history (see the type's doc);
+    /// those roles count as seeded from now on. Nothing to do when none was recorded.
+    pub fn commit(&mut self) -> Result<()> {
+        if !self.recorded.iter().any(|&r| r) {
+            return Ok(());
+        }
+        let (width, n, use_max) = (self.width(), self.cfg.history_len, self.cfg.use_max);
+        match &mut self.rows {
+            Rows::Host(h) => {
+                for (s, _) in self.recorded.iter().enumerate().filter(|(_, &r)| r) {
+                    let row = &mut h[s * width..(s + 1) * width];
+                    row.copy_within(2..width - 1, 3);
+                    row[2] = row[0];
+                    row[0] = 0.0;
+                    row[1] = if use_max {
+                        row[2..].iter().fold(0f32, |m, &a| m.max(a))
+                    } else {
+                        row[2]
+                    };
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Rows::Device(h) => {
+                let mask: Vec<u8> = self.recorded.iter().map(|&r| u8::from(r)).collect();
+                crate::cuda::fp8_amax_commit(h, &mask, n, use_max)?;
+            }
+        }
+        let _ = n;
+        for (s, r) in self.seeded.iter_mut().zip(self.recorded.iter_mut()) {
+            *s |= std::mem::take(r);
+        }
+        Ok(())
+    }
+
+    /// The rows (f32 `[slots, 2 + history_len]`, as the type's doc lays them out) and which
+    /// roles are seeded, on the host: what a checkpoint saves. Reads the device (a sync).
+    pub fn to_host(&self) -> Result<(Vec<f32>, Vec<bool>)> {
+        let rows = match &self.rows {
+            Rows::Host(h) => h.clone(),
+            #[cfg(feature = "cuda")]
+            Rows::Device(h) => h.flatten_all()?.to_vec1::<f32>()?,
+        };
+        Ok((rows, self.seeded.clone()))
+    }
+
+    /// Replaces the state with a saved one ([`Self::to_host`]'s); an error if its shape is not
+    /// this history's. Nothing counts as recorded afterwards.
+    pub fn load_host(&mut self, rows: &[f32], seeded: &[bool]) -> Result<()> {
+        let width = self.width();
+        if rows.len() != self.slots * width || seeded.len() != self.slots {
+            bail!(
+                "fp8 amax history: a saved state of {} values and {} roles for {} roles of {width} (history length {})",
+                rows.len(),
+                seeded.len(),
+                self.slots,
+                self.cfg.history_len
+            );
+        }
+        match &mut self.rows {
+            Rows::Host(h) => h.copy_from_slice(rows),
+            #[cfg(feature = "cuda")]
+            Rows::Device(h) => *h = Tensor::from_slice(rows, (self.slots, width), h.device())?,
+        }
+        self.seeded.copy_from_slice(seeded);
+        self.recorded.fill(false);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -440,5 +708,101 @@ mod tests {
         assert!(e.contains("bf16"), "{e}");
         let v = Tensor::zeros(6, DType::BF16, &Device::Cpu).unwrap();
         assert!(quantize(&v, Fp8Format::E4M3, false).is_err());
+    }
+
+    #[test]
+    fn amax_history_seeds_records_commits_and_scales_by_its_rule() {
+        let dev = Device::Cpu;
+        // A tensor whose amax is `a` (one element), bf16-exact values.
+        let t = |a: f32| {
+            let v: Vec<f32> = (0..12)
+                .map(|i| if i == 5 { -a } else { a * (i as f32) / 16.0 })
+                .collect();
+            Tensor::from_vec(v, (3, 4), &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let sinv = |q: &Fp8Tensor| q.scale_inv.to_vec1::<f32>().unwrap()[0];
+        for use_max in [false, true] {
+            let cfg = DelayedScaling {
+                history_len: 3,
+                use_max,
+                margin: 2,
+            };
+            let mut h = AmaxHistory::new(cfg, 2, &dev).unwrap();
+            // Unseeded: current scaling (no margin), the tensor's own amax; the bits and scale of
+            // `quantize_padded`. Two records before a commit: the pending amax is their max.
+            let q = h.quantize(0, &t(4.0), Fp8Format::E4M3, true, 16, true).unwrap();
+            let want = quantize_padded(&t(4.0), Fp8Format::E4M3, true, 16).unwrap();
+            assert_eq!(q.data.to_vec2::<u8>().unwrap(), want.data.to_vec2::<u8>().unwrap());
+            assert_eq!(
+                q.data_t.as_ref().unwrap().to_vec2::<u8>().unwrap(),
+                want.data_t.unwrap().to_vec2::<u8>().unwrap()
+            );
+            assert_eq!(sinv(&q), 4.0 / 448.0);
+            h.quantize(0, &t(6.0), Fp8Format::E4M3, false, 1, true).unwrap();
+            // Read without recording: slot 1 stays unseeded after the commit.
+            h.quantize(1, &t(9.0), Fp8Format::E5M2, false, 1, false).unwrap();
+            h.commit().unwrap();
+            let (rows, seeded) = h.to_host().unwrap();
+            assert_eq!(seeded, [true, false]);
+            assert_eq!(&rows[..5], &[0.0, 6.0, 6.0, 0.0, 0.0]);
+            assert_eq!(&rows[5..], &[0.0; 5], "slot 1 untouched");
+            // Seeded: the scale is fp8_max / 6 / 2^2, whatever the tensor's own amax (2 here).
+            let q = h.quantize(0, &t(2.0), Fp8Format::E4M3, false, 1, true).unwrap();
+            assert_eq!(sinv(&q), 1.0 / (448.0 / 6.0 / 4.0));
+            let d = q.dequantize().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let x = t(2.0)
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let s = 448.0f32 / 6.0 / 4.0;
+            for (a, b) in x.iter().zip(&d) {
+                assert_eq!(*b, Fp8Format::E4M3.to_f32(Fp8Format::E4M3.from_f32(a * s)) * sinv(&q));
+            }
+            h.commit().unwrap();
+            // A tensor larger than the scale allows saturates at fp8_max (times scale_inv).
+            let q = h.quantize(0, &t(100.0), Fp8Format::E4M3, false, 1, true).unwrap();
+            let d = q.dequantize().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(d[5], -448.0 * sinv(&q), "saturated");
+            h.commit().unwrap();
+            h.quantize(0, &t(1.0), Fp8Format::E4M3, false, 1, true).unwrap();
+            h.commit().unwrap();
+            // History [1, 100, 2] (6 dropped off the end): most recent 1, max 100.
+            let (rows, _) = h.to_host().unwrap();
+            assert_eq!(&rows[..5], &[0.0, if use_max { 100.0 } else { 1.0 }, 1.0, 100.0, 2.0]);
+            // Saved and loaded: the same state; a state of another shape is refused.
+            let mut g = AmaxHistory::new(cfg, 2, &dev).unwrap();
+            let (rows, seeded) = h.to_host().unwrap();
+            g.load_host(&rows, &seeded).unwrap();
+            assert_eq!(g.to_host().unwrap(), (rows.clone(), seeded.clone()));
+            assert!(g.load_host(&rows[1..], &seeded).is_err());
+            assert!(
+                h.quantize(2, &t(1.0), Fp8Format::E4M3, false, 1, true).is_err(),
+                "no slot 2"
+            );
+        }
+        assert!(AmaxHistory::new(
+            DelayedScaling {
+                history_len: 0,
+                ..Default::default()
+            },
+            1,
+            &dev
+        )
+        .is_err());
+        assert!(AmaxHistory::new(
+            DelayedScaling {
+                margin: -1,
+                ..Default::default()
+            },
+            1,
+            &dev
+        )
+        .is_err());
     }
 }

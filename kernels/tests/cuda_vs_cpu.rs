@@ -214,6 +214,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_residual_norms(&gpu, &mut rng, &mut failures)?;
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
+    check_fp8_delayed(&gpu, &mut rng, &mut failures)?;
     checks += 11;
 
     println!(
@@ -2095,6 +2096,86 @@ fn report(failures: &mut Vec<String>, op: &str, shape: &str, detail: &str, ok: b
 /// the f64 product of the dequantized operands: a bf16 output, a weight gradient added to an
 /// f32 sum (E5M2 x E4M3), the error for a shape Hopper's FP8 GEMMs cannot take, and a two-term
 /// input gradient summed in bf16 by the GEMMs (`matmul_t_sum`) with padded rows.
+/// Delayed FP8 scaling (`fp8::AmaxHistory`, `--fp8-recipe delayed`): the CUDA history (the
+/// cast scaling by a device amax and recording its tiles' maxima by atomicMax, and the commit
+/// kernel) against the CPU history, bit for bit, over a sequence of tensors of three roles:
+/// seeding by current scaling, a tensor recorded twice before a commit, a read that records
+/// nothing, a tensor larger than its scale allows (saturation), odd shapes with padded rows and
+/// transposes, margin 1 and the max of a history of 3. Every quantized tensor's bits, transpose
+/// and scale_inv, and the rows after every commit.
+fn check_fp8_delayed(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    use vime_kernels::fp8::{AmaxHistory, DelayedScaling, Fp8Format};
+    let cfg = DelayedScaling {
+        history_len: 3,
+        use_max: true,
+        margin: 1,
+    };
+    let (mut cpu, mut dev) = (AmaxHistory::new(cfg, 3, &Device::Cpu)?, AmaxHistory::new(cfg, 3, gpu)?);
+    // (slot, rows, cols, scale, format, record, commit after)
+    let steps: [(usize, usize, usize, f64, Fp8Format, bool, bool); 12] = [
+        (0, 1040, 2560, 1.0, Fp8Format::E4M3, true, false),
+        (1, 70, 37, 1e-3, Fp8Format::E5M2, true, false),
+        (0, 1040, 2560, 2.0, Fp8Format::E4M3, true, false),
+        (2, 64, 96, 1.0, Fp8Format::E4M3, false, true),
+        (0, 517, 2560, 0.5, Fp8Format::E4M3, true, false),
+        (1, 70, 37, 1e-3, Fp8Format::E5M2, true, false),
+        (2, 64, 96, 1.0, Fp8Format::E4M3, false, true),
+        (0, 1040, 2560, 30.0, Fp8Format::E4M3, true, false),
+        (1, 33, 40, 5e-3, Fp8Format::E5M2, false, true),
+        (0, 1040, 2560, 1.0, Fp8Format::E4M3, true, true),
+        (1, 70, 37, 1e-3, Fp8Format::E5M2, true, true),
+        (0, 16, 2560, 1.0, Fp8Format::E4M3, false, false),
+    ];
+    let (mut worst, mut all) = (String::new(), true);
+    for (i, &(slot, rows, cols, scale, fmt, record, commit)) in steps.iter().enumerate() {
+        let x = (rng.randn(&[rows, cols], 1.0, DType::F32, &Device::Cpu)? * scale)?.to_dtype(DType::BF16)?;
+        let want = cpu.quantize(slot, &x, fmt, true, 16, record)?;
+        let got = dev.quantize(slot, &x.to_device(gpu)?, fmt, true, 16, record)?;
+        let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+            Ok(a.flatten_all()?.to_vec1::<u8>()? == b.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?)
+        };
+        let bits = same(&want.data, &got.data)?;
+        let bits_t = same(want.data_t.as_ref().unwrap(), got.data_t.as_ref().unwrap())?;
+        let (s_w, s_g) = (
+            want.scale_inv.to_vec1::<f32>()?[0],
+            got.scale_inv.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0],
+        );
+        let mut ok = bits && bits_t && s_w.to_bits() == s_g.to_bits();
+        if commit {
+            cpu.commit()?;
+            dev.commit()?;
+        }
+        let (hc, hd) = (cpu.to_host()?, dev.to_host()?);
+        let rows_same = hc.0.iter().map(|v| v.to_bits()).eq(hd.0.iter().map(|v| v.to_bits())) && hc.1 == hd.1;
+        ok &= rows_same;
+        if !ok {
+            all = false;
+            worst = format!(
+                "step {i} (slot {slot} [{rows}, {cols}] x{scale}): bits {bits}, transpose {bits_t}, scale_inv {s_g:e} vs {s_w:e}, history {rows_same} ({:?} vs {:?})",
+                &hd.0[..5.min(hd.0.len())],
+                &hc.0[..5.min(hc.0.len())]
+            );
+            break;
+        }
+    }
+    let (rows, seeded) = cpu.to_host()?;
+    report(
+        failures,
+        "fp8 delayed scaling",
+        "12 tensors, 3 roles, history 3 max, margin 1",
+        &if all {
+            format!(
+                "bits, transposes, scales and histories equal; amaxes {:?}, seeded {seeded:?}",
+                [rows[1], rows[6], rows[11]]
+            )
+        } else {
+            worst
+        },
+        all,
+    );
+    Ok(())
+}
+
 fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     use vime_kernels::cuda::{fp8_matmul_t, Fp8Operand};
     use vime_kernels::fp8::{quantize, quantize_padded, Fp8Format, Fp8Tensor};
@@ -2211,6 +2292,7 @@ fn fp8_on_cuda_matches_the_cpu() -> Result<()> {
     let mut rng = Rng::new(21);
     let mut failures = Vec::new();
     check_fp8(&gpu, &mut rng, &mut failures)?;
+    check_fp8_delayed(&gpu, &mut rng, &mut failures)?;
     println!("FP8 VERDICT: {}", if failures.is_empty() { "PASS" } else { "FAIL" });
     assert!(failures.is_empty(), "{failures:?}");
     Ok(())

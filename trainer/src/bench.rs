@@ -310,9 +310,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         &args.attention_backend,
         args.deterministic_mode,
         vime_kernels::CudnnFailure::Fallback,
-    )?
-    .with_fp8(args.fp8.enabled()?);
-    let kernels = args.head.apply(kernels)?;
+    )?;
+    let kernels = args.head.apply(args.fp8.apply(kernels)?)?;
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -524,7 +523,15 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         "deterministic_mode": args.deterministic_mode,
         "nan_guard": args.nan_guard,
         "entropy_coef": args.entropy_coef,
-        "fp8": args.fp8.fp8_format.as_ref().map(|f| format!("{f} {}", args.fp8.fp8_recipe)),
+        "fp8": args.fp8.fp8_format.as_ref().map(|f| match args.fp8.delayed() {
+            Ok(Some(d)) => format!(
+                "{f} delayed (history {}, {}, margin {})",
+                d.history_len,
+                if d.use_max { "max" } else { "most_recent" },
+                d.margin
+            ),
+            _ => format!("{f} {}", args.fp8.fp8_recipe),
+        }),
         "lm_head_logits": args.head.lm_head_logits,
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,

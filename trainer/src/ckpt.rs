@@ -268,3 +268,101 @@ pub fn load_step(root: &Path, step: u64, device: &Device) -> Result<Loaded> {
         critic_optimizer,
     })
 }
+
+/// Delayed FP8 scaling's amax histories in a checkpoint (`--fp8-recipe delayed`): each rank's
+/// state of each model (`policy`, `critic`), in `extra.safetensors` as
+/// `fp8_amax_history.<model>.rank<r>` (f32 `[roles, 2 + history_len]`) and
+/// `fp8_amax_seeded.<model>.rank<r>` (u8 `[roles]`). Per rank, because each rank's activations
+/// and gradients are its own (data, context and tensor parallelism).
+pub mod fp8_amax {
+    use anyhow::{bail, Context, Result};
+    use candle_core::{DType, Device, Tensor};
+    use std::collections::BTreeMap;
+    use vime_dist::Collectives;
+    use vime_qwen3::model::{Fp8AmaxState, Qwen3};
+
+    fn keys(model: &str, rank: usize) -> (String, String) {
+        (
+            format!("fp8_amax_history.{model}.rank{rank}"),
+            format!("fp8_amax_seeded.{model}.rank{rank}"),
+        )
+    }
+
+    /// A state as bytes: empty for none, else the row width (u32 LE), the rows (f32 LE), then
+    /// a byte a role.
+    fn to_bytes(s: Option<&Fp8AmaxState>) -> Vec<u8> {
+        let Some(s) = s else { return Vec::new() };
+        let width = (2 + s.config.history_len) as u32;
+        let mut b = width.to_le_bytes().to_vec();
+        b.extend(s.rows.iter().flat_map(|v| v.to_le_bytes()));
+        b.extend(s.seeded.iter().map(|&x| u8::from(x)));
+        b
+    }
+
+    /// Every rank's state of `model` (this process's `m`) gathered over `world`, as the extra
+    /// tensors rank 0 writes. Every rank calls it. Nothing for a model without a history.
+    pub fn gather(world: &dyn Collectives, name: &str, m: &Qwen3) -> Result<BTreeMap<String, Tensor>> {
+        let state = m.fp8_amax_state()?;
+        let all = world
+            .all_gather_bytes(&to_bytes(state.as_ref()))
+            .with_context(|| format!("gathering the ranks' FP8 amax histories of the {name}"))?;
+        let mut out = BTreeMap::new();
+        for (r, b) in all.iter().enumerate() {
+            if b.is_empty() {
+                continue;
+            }
+            let width = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as usize;
+            let roles = (b.len() - 4) / (4 * width + 1);
+            if b.len() != 4 + roles * (4 * width + 1) {
+                bail!(
+                    "rank {r}'s FP8 amax history of the {name} is {} bytes, not whole rows",
+                    b.len()
+                );
+            }
+            let rows: Vec<f32> = b[4..4 + 4 * roles * width]
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect();
+            let seeded = b[4 + 4 * roles * width..].to_vec();
+            let (hk, sk) = keys(name, r);
+            out.insert(hk, Tensor::from_vec(rows, (roles, width), &Device::Cpu)?);
+            out.insert(sk, Tensor::from_vec(seeded, roles, &Device::Cpu)?);
+        }
+        Ok(out)
+    }
+
+    /// Restores rank `rank`'s history of `model` into `m` (whose kernel config has delayed
+    /// scaling) from a checkpoint's extra tensors. `Ok(false)` when the checkpoint has none for
+    /// this rank (saved without delayed scaling, or by fewer ranks): the histories start over.
+    pub fn restore(extra: &BTreeMap<String, Tensor>, name: &str, rank: usize, m: &Qwen3) -> Result<bool> {
+        let Some(config) = m.kernel_config().fp8_delayed() else {
+            return Ok(false);
+        };
+        let (hk, sk) = keys(name, rank);
+        let (Some(h), Some(s)) = (extra.get(&hk), extra.get(&sk)) else {
+            return Ok(false);
+        };
+        let (_, width) = h.dims2().with_context(|| format!("the checkpoint's {hk}"))?;
+        if width != 2 + config.history_len {
+            bail!(
+                "the checkpoint's FP8 amax history ({hk}) keeps {} amaxes a role; this run's \
+                 --fp8-amax-history-len is {}",
+                width.saturating_sub(2),
+                config.history_len
+            );
+        }
+        let state = Fp8AmaxState {
+            config,
+            rows: h.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+            seeded: s
+                .to_dtype(DType::U8)?
+                .to_vec1::<u8>()?
+                .into_iter()
+                .map(|b| b != 0)
+                .collect(),
+        };
+        m.load_fp8_amax_state(&state)
+            .with_context(|| format!("restoring the {name}'s FP8 amax history from {hk}"))?;
+        Ok(true)
+    }
+}

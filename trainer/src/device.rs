@@ -37,30 +37,90 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
 }
 
 /// Megatron's FP8 flags. vime runs the decoder blocks' seven linear layers in FP8 with
-/// `--fp8-format hybrid --fp8-recipe tensorwise` (`vime_kernels::fp8`): E4M3 weights and
-/// activations, E5M2 gradients, one scale per tensor from its own amax, on CUDA bf16 models. The
-/// LM head, embeddings, norms and attention stay bf16; master weights and moments stay f32.
-#[derive(clap::Args, Debug, Clone, Default)]
+/// `--fp8-format hybrid` (`vime_kernels::fp8`): E4M3 weights and activations, E5M2 gradients, on
+/// bf16 models, one scale per tensor. `--fp8-recipe tensorwise` (vime's default) scales each
+/// tensor by its own amax; `--fp8-recipe delayed` (Megatron's default) scales activations and
+/// gradients by amax histories (`--fp8-amax-history-len`, `--fp8-amax-compute-algo`,
+/// `--fp8-margin`), saved in checkpoints. The LM head, embeddings, norms and attention stay bf16;
+/// master weights and moments stay f32.
+#[derive(clap::Args, Debug, Clone)]
 pub struct Fp8Args {
     /// Megatron's flag: hybrid (E4M3 forward, E5M2 gradients) turns FP8 on; e4m3 (E4M3 for the
     /// gradients too) is refused.
     #[arg(long)]
     pub fp8_format: Option<String>,
-    /// Megatron's flag: tensorwise (current per-tensor scaling), the only recipe vime has.
+    /// Megatron's flag: tensorwise (current scaling: each tensor's scale from its own amax, a
+    /// pass over it before the cast) or delayed (activations and gradients scaled by the amaxes
+    /// of the same tensor in earlier micro-batches: no amax pass; weights stay tensorwise).
+    /// Megatron's default is delayed; vime's is tensorwise.
     #[arg(long, default_value = "tensorwise")]
     pub fp8_recipe: String,
+    /// Megatron's flag (--fp8-recipe delayed): amaxes kept per tensor role.
+    #[arg(long, default_value_t = 1)]
+    pub fp8_amax_history_len: usize,
+    /// Megatron's flag (--fp8-recipe delayed): most_recent or max, the amax of the history a
+    /// scale comes from.
+    #[arg(long, default_value = "most_recent")]
+    pub fp8_amax_compute_algo: String,
+    /// Megatron's flag (--fp8-recipe delayed): scale = fp8 max / amax / 2^margin.
+    #[arg(long, default_value_t = 0)]
+    pub fp8_margin: i32,
+}
+
+impl Default for Fp8Args {
+    fn default() -> Self {
+        Self {
+            fp8_format: None,
+            fp8_recipe: "tensorwise".into(),
+            fp8_amax_history_len: 1,
+            fp8_amax_compute_algo: "most_recent".into(),
+            fp8_margin: 0,
+        }
+    }
 }
 
 impl Fp8Args {
     /// Whether the flags turn FP8 on; an error for a format or recipe vime does not have.
     pub fn enabled(&self) -> Result<bool> {
-        match self.fp8_format.as_deref() {
-            None => Ok(false),
+        Ok(self.recipe()?.is_some())
+    }
+
+    /// Delayed scaling's settings, when `--fp8-recipe delayed` asks for it.
+    pub fn delayed(&self) -> Result<Option<vime_kernels::fp8::DelayedScaling>> {
+        Ok(self.recipe()?.flatten())
+    }
+
+    /// `kernels` with FP8 as the flags say.
+    pub fn apply(&self, kernels: vime_kernels::KernelConfig) -> Result<vime_kernels::KernelConfig> {
+        let recipe = self.recipe()?;
+        Ok(kernels.with_fp8(recipe.is_some()).with_fp8_delayed(recipe.flatten()))
+    }
+
+    /// `None`: FP8 off; `Some(None)`: tensorwise; `Some(Some(d))`: delayed. Delayed-only flags
+    /// with another recipe are an error, as are values out of range.
+    fn recipe(&self) -> Result<Option<Option<vime_kernels::fp8::DelayedScaling>>> {
+        let use_max = match self.fp8_amax_compute_algo.as_str() {
+            "most_recent" => false,
+            "max" => true,
+            a => bail!("--fp8-amax-compute-algo {a:?}: expected most_recent or max"),
+        };
+        let d = vime_kernels::fp8::DelayedScaling {
+            history_len: self.fp8_amax_history_len,
+            use_max,
+            margin: self.fp8_margin,
+        };
+        let delayed_only = d != vime_kernels::fp8::DelayedScaling::default();
+        let recipe = match self.fp8_format.as_deref() {
+            None => None,
             Some("hybrid") => match self.fp8_recipe.as_str() {
-                "tensorwise" => Ok(true),
+                "tensorwise" => Some(None),
+                "delayed" => {
+                    d.check().map_err(anyhow::Error::msg)?;
+                    Some(Some(d))
+                }
                 r => bail!(
-                    "--fp8-recipe {r:?}: vime has only tensorwise (one scale per tensor from its current amax, \
-                     so a resumed run gets the same bits); delayed, mxfp8 and blockwise are not implemented"
+                    "--fp8-recipe {r:?}: vime has tensorwise (one scale per tensor from its current amax) and \
+                     delayed (scales from amax histories); mxfp8 and blockwise are not implemented"
                 ),
             },
             Some("e4m3") => bail!(
@@ -68,7 +128,14 @@ impl Fp8Args {
                  gradients)"
             ),
             Some(f) => bail!("--fp8-format {f:?}: expected hybrid (or e4m3, which vime does not have)"),
+        };
+        if delayed_only && !matches!(recipe, Some(Some(_))) {
+            bail!(
+                "--fp8-amax-history-len, --fp8-amax-compute-algo and --fp8-margin set delayed scaling; pass them \
+                 with --fp8-format hybrid --fp8-recipe delayed (Megatron's default recipe; vime's is tensorwise)"
+            );
         }
+        Ok(recipe)
     }
 }
 
@@ -137,15 +204,71 @@ mod tests {
         let f = |format: Option<&str>, recipe: &str| Fp8Args {
             fp8_format: format.map(String::from),
             fp8_recipe: recipe.into(),
+            ..Default::default()
         };
         assert!(!f(None, "tensorwise").enabled().unwrap());
         assert!(f(Some("hybrid"), "tensorwise").enabled().unwrap());
-        for (format, recipe, says) in [
+        assert_eq!(f(Some("hybrid"), "tensorwise").delayed().unwrap(), None);
+        let d = f(Some("hybrid"), "delayed");
+        assert!(d.enabled().unwrap());
+        assert_eq!(d.delayed().unwrap(), Some(vime_kernels::fp8::DelayedScaling::default()));
+        let k = d.apply(vime_kernels::KernelConfig::default()).unwrap();
+        assert!(k.fp8() && k.fp8_delayed().is_some());
+        let max3 = Fp8Args {
+            fp8_amax_history_len: 3,
+            fp8_amax_compute_algo: "max".into(),
+            fp8_margin: 2,
+            ..f(Some("hybrid"), "delayed")
+        };
+        assert_eq!(
+            max3.delayed().unwrap(),
+            Some(vime_kernels::fp8::DelayedScaling {
+                history_len: 3,
+                use_max: true,
+                margin: 2
+            })
+        );
+        for (args, says) in [
             (
-                "hybrid",
-                "delayed",
-                "--fp8-recipe \"delayed\": vime has only tensorwise",
+                Fp8Args {
+                    fp8_amax_history_len: 0,
+                    ..f(Some("hybrid"), "delayed")
+                },
+                "--fp8-amax-history-len 0",
             ),
+            (
+                Fp8Args {
+                    fp8_amax_compute_algo: "mean".into(),
+                    ..f(Some("hybrid"), "delayed")
+                },
+                "--fp8-amax-compute-algo \"mean\"",
+            ),
+            (
+                Fp8Args {
+                    fp8_margin: -1,
+                    ..f(Some("hybrid"), "delayed")
+                },
+                "--fp8-margin -1",
+            ),
+            (
+                Fp8Args {
+                    fp8_amax_history_len: 16,
+                    ..f(Some("hybrid"), "tensorwise")
+                },
+                "with --fp8-format hybrid --fp8-recipe delayed",
+            ),
+            (
+                Fp8Args {
+                    fp8_margin: 1,
+                    ..f(None, "tensorwise")
+                },
+                "with --fp8-format hybrid --fp8-recipe delayed",
+            ),
+        ] {
+            let e = args.enabled().unwrap_err().to_string();
+            assert!(e.contains(says), "{args:?}: {e}");
+        }
+        for (format, recipe, says) in [
             ("hybrid", "mxfp8", "--fp8-recipe \"mxfp8\""),
             (
                 "e4m3",

@@ -385,6 +385,56 @@ fn a_checkpoint_resumes_at_another_dp_size() {
     }
 }
 
+/// `--fp8-recipe delayed` at DP 2: each rank keeps its own amax histories (its own samples), the
+/// checkpoint holds both (gathered to rank 0), and a DP 2 run resumed from its step-1 checkpoint
+/// ends on the bits of the run that was never stopped.
+#[test]
+fn fp8_delayed_scaling_histories_are_per_rank_and_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train) = task(&dir.path().join("task"));
+    let fp8 = ["--dtype", "bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"].map(String::from);
+    let with = |save: &Path| -> Vec<String> {
+        let mut f = flags(&model, &train, save, 2, 1);
+        f.extend(fp8.iter().cloned());
+        f
+    };
+    let straight = dir.path().join("straight");
+    run(2, &with(&straight));
+    let extra = load(&iter_dir(&straight, 1).join("extra.safetensors"));
+    let (h0, h1) = (
+        &extra["fp8_amax_history.policy.rank0"],
+        &extra["fp8_amax_history.policy.rank1"],
+    );
+    // 2 layers x 11 roles, [pending, amax, h_0]: the ranks trained on different samples.
+    assert_eq!((h0.dims(), h1.dims()), (&[22usize, 3][..], &[22usize, 3][..]));
+    let (v0, v1) = (
+        h0.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        h1.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+    );
+    assert!(v0 != v1, "the two ranks' histories are the same: not per rank?");
+    assert!(
+        v0.iter().chain(&v1).skip(1).step_by(3).all(|a| *a > 0.0),
+        "an amax of 0"
+    );
+    let resumed = dir.path().join("resumed");
+    copy_dir(&iter_dir(&straight, 1), &iter_dir(&resumed, 1));
+    std::fs::write(resumed.join("latest_checkpointed_iteration.txt"), "1").unwrap();
+    std::fs::copy(straight.join("metrics.jsonl"), resumed.join("metrics.jsonl")).unwrap();
+    let out = run(2, &with(&resumed));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("resuming from") && !stderr.contains("no FP8 amax history"),
+        "{stderr}"
+    );
+    for f in ["hf/model.safetensors", "optimizer.safetensors", "extra.safetensors"] {
+        let (a, b) = (
+            std::fs::read(iter_dir(&straight, 2).join(f)).unwrap(),
+            std::fs::read(iter_dir(&resumed, 2).join(f)).unwrap(),
+        );
+        assert!(a == b, "resumed at dp 2: {f} differs from the uninterrupted run's");
+    }
+}
+
 fn copy_dir(src: &Path, dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();
     for e in std::fs::read_dir(src).unwrap() {

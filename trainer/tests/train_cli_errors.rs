@@ -343,9 +343,29 @@ fn fp8_flags_vime_lacks_or_an_f32_run_are_named_before_any_rollout() -> Result<(
     let err = run_error(flags(
         &m,
         &prompts,
-        &["--fp8-format", "hybrid", "--fp8-recipe", "delayed"],
+        &["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
     ));
-    assert_mentions(&err, &["--fp8-recipe \"delayed\"", "only tensorwise"]);
+    assert_mentions(&err, &["--fp8-recipe \"mxfp8\"", "tensorwise", "delayed"]);
+    // Delayed scaling's settings without delayed scaling, or out of range.
+    let err = run_error(flags(
+        &m,
+        &prompts,
+        &["--fp8-format", "hybrid", "--fp8-amax-history-len", "16"],
+    ));
+    assert_mentions(&err, &["--fp8-amax-history-len", "--fp8-recipe delayed"]);
+    let err = run_error(flags(
+        &m,
+        &prompts,
+        &[
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "delayed",
+            "--fp8-amax-compute-algo",
+            "mean",
+        ],
+    ));
+    assert_mentions(&err, &["--fp8-amax-compute-algo \"mean\"", "most_recent or max"]);
     let err = run_error(flags(&m, &prompts, &["--fp8-format", "e4m3"]));
     assert_mentions(&err, &["--fp8-format e4m3", "--fp8-format hybrid"]);
     // The CPU run computes in f32: FP8 needs bf16.

@@ -243,3 +243,86 @@ fn ctrl_c_stops_cleanly_with_a_plot() {
     let steps: Vec<u64> = lines.iter().map(|(s, _)| *s).collect();
     assert_eq!(steps, (0..=last).collect::<Vec<_>>());
 }
+
+/// `--fp8-recipe delayed` keeps state, each role's amax history: a run stopped after its step-2
+/// checkpoint and resumed with `--load` must end with the uninterrupted run's bits, which needs
+/// the history from the checkpoint (`extra.safetensors`). Without it (the file removed) the
+/// resumed run seeds its histories again, warns, and ends elsewhere.
+#[test]
+fn fp8_delayed_scaling_resumes_exactly_from_its_saved_amax_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, train, eval) = task(&dir.path().join("task"));
+    let run = |save: &Path, rollouts: u64| -> String {
+        let mut flags = train_flags(&model, &train, &eval, save);
+        let n = flags.iter().position(|f| f == "--num-rollout").unwrap();
+        flags[n + 1] = rollouts.to_string();
+        for f in ["--eval-prompt-data", "--eval-interval", "--n-samples-per-eval-prompt"] {
+            let i = flags.iter().position(|x| x == f).unwrap();
+            flags.drain(i..i + if f == "--eval-prompt-data" { 3 } else { 2 });
+        }
+        flags.extend(
+            [
+                "--dtype",
+                "bf16",
+                "--fp8-format",
+                "hybrid",
+                "--fp8-recipe",
+                "delayed",
+                "--fp8-amax-history-len",
+                "2",
+                "--fp8-amax-compute-algo",
+                "max",
+            ]
+            .map(String::from),
+        );
+        let out = Command::new(bin()).args(&flags).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "vime-train failed:\n{stderr}");
+        stderr
+    };
+    let straight = dir.path().join("straight");
+    run(&straight, 4);
+    let stopped = dir.path().join("stopped");
+    run(&stopped, 2);
+    let at2 = stopped.join("iter_0000002");
+    let extra = candle_core::safetensors::load(at2.join("extra.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let hist = &extra["fp8_amax_history.policy.rank0"];
+    // 2 layers x 11 roles, [pending, amax, h_0, h_1]; every role seeded after training steps.
+    assert_eq!(hist.dims(), [22, 4]);
+    let seeded = extra["fp8_amax_seeded.policy.rank0"].to_vec1::<u8>().unwrap();
+    assert!(seeded.iter().all(|&s| s == 1), "{seeded:?}");
+    let blind = dir.path().join("blind");
+    copy_dir(&stopped, &blind);
+    run(&stopped, 4);
+    let last = "iter_0000004";
+    for f in ["hf/model.safetensors", "optimizer.safetensors", "extra.safetensors"] {
+        files_equal(&straight.join(last).join(f), &stopped.join(last).join(f));
+    }
+    std::fs::remove_file(blind.join("iter_0000002/extra.safetensors")).unwrap();
+    let stderr = run(&blind, 4);
+    assert!(
+        stderr.contains("no FP8 amax history of the policy for rank 0"),
+        "{stderr}"
+    );
+    let (a, b) = (
+        std::fs::read(straight.join(last).join("hf/model.safetensors")).unwrap(),
+        std::fs::read(blind.join(last).join("hf/model.safetensors")).unwrap(),
+    );
+    assert!(
+        a != b,
+        "resumed without its amax history, the run still ended on the same bits"
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let t = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &t);
+        } else {
+            std::fs::copy(e.path(), &t).unwrap();
+        }
+    }
+}

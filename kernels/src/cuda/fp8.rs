@@ -27,14 +27,45 @@ fn dev_of(t: &Tensor, what: &str) -> Result<CudaDevice> {
 /// per SM, and every block of the cast reads this many partials.
 const AMAX_BLOCKS: usize = 528;
 
+/// Where the cast's scale comes from, as device addresses (0: none).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CastScale {
+    /// An f32 amax on the device to scale by (delayed scaling), or 0: this tensor's own amax
+    /// (current scaling: the amax reduction runs first).
+    pub amax_in: u64,
+    /// What the scale is multiplied by after `fp8_max / amax`: `2^-margin` (exact).
+    pub scale_mul: f32,
+    /// An f32 on the device that the cast raises (atomicMax) to this tensor's amax, or 0.
+    pub record: u64,
+}
+
+impl CastScale {
+    /// Current scaling, nothing recorded: the tensor's own amax.
+    pub(crate) const CURRENT: CastScale = CastScale {
+        amax_in: 0,
+        scale_mul: 1.0,
+        record: 0,
+    };
+}
+
+/// The address of element `i` of an f32 tensor on a CUDA device.
+pub(crate) fn f32_addr(t: &Tensor, i: usize, what: &str) -> Result<u64> {
+    if i >= t.elem_count() {
+        bail!("{what}: element {i} of a tensor of {}", t.elem_count());
+    }
+    Ok(tensor_addr::<f32>(t, what)? + 4 * i as u64)
+}
+
 /// bf16 `x [rows, cols]` -> (FP8 bits `[rows_pad, cols]`, the transpose `[cols, rows_pad]` if
-/// asked, `scale_inv` f32 `[1]`), the rows past `rows` zero; see [`crate::fp8`]. Two launches, no
-/// host sync: the amax reduction and the cast, which reads the amax on the device.
+/// asked, `scale_inv` f32 `[1]`), the rows past `rows` zero; see [`crate::fp8`]. No host sync.
+/// Current scaling: two launches, the amax reduction and the cast, which reads the amax on the
+/// device. Delayed scaling (`scale.amax_in`): the cast alone.
 pub(crate) fn fp8_quantize(
     x: &Tensor,
     e5m2: bool,
     transpose: bool,
     rows_pad: usize,
+    scale: CastScale,
 ) -> Result<(Tensor, Option<Tensor>, Tensor)> {
     let (rows, cols) = x.dims2()?;
     let dev = dev_of(x, "fp8 quantize")?;
@@ -46,8 +77,13 @@ pub(crate) fn fp8_quantize(
         i32_of("fp8 quantize", "cols", cols)?,
         i32_of("fp8 quantize", "padded rows", rows_pad)?,
     );
-    // The amax's per-block partials (every one written: no zero-fill).
-    let parts = n.div_ceil(8 * 256 * 4).clamp(1, AMAX_BLOCKS);
+    // The amax's per-block partials (every one written: no zero-fill); none under delayed
+    // scaling.
+    let parts = if scale.amax_in == 0 {
+        n.div_ceil(8 * 256 * 4).clamp(1, AMAX_BLOCKS)
+    } else {
+        1
+    };
     let amax = unsafe { dev.alloc::<u32>(parts) }?;
     // Padding rows must read as zeros; without padding every byte is written.
     let buf = |len: usize| -> Result<CudaSlice<u8>> {
@@ -67,8 +103,10 @@ pub(crate) fn fp8_quantize(
     );
     let tp = out_t.as_ref().map(|t| super::slice_addr(t, &dev)).unwrap_or(0);
     let n_u = n as u64;
-    let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_amax")?;
-    launch!(dev, f, super::cfg(parts as u32, 256), [&xp, &n_u, &ap]);
+    if scale.amax_in == 0 {
+        let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_amax")?;
+        launch!(dev, f, super::cfg(parts as u32, 256), [&xp, &n_u, &ap]);
+    }
     let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_cast")?;
     let grid = LaunchConfig {
         grid_dim: (cols.div_ceil(128).max(1) as u32, rows.div_ceil(64).max(1) as u32, 1),
@@ -76,12 +114,48 @@ pub(crate) fn fp8_quantize(
         shared_mem_bytes: 0,
     };
     let (e, np) = (i32::from(e5m2), parts as i32);
-    launch!(dev, f, grid, [&xp, &r_i, &c_i, &ap, &np, &sp, &op, &tp, &ld_i, &e]);
+    let (ain, mul, rec) = (scale.amax_in, scale.scale_mul, scale.record);
+    launch!(
+        dev,
+        f,
+        grid,
+        [&xp, &r_i, &c_i, &ap, &np, &ain, &mul, &rec, &sp, &op, &tp, &ld_i, &e]
+    );
     Ok((
         device_tensor(out, &dev, (rows_pad, cols)),
         out_t.map(|t| device_tensor(t, &dev, (cols, rows_pad))),
         device_tensor(sinv, &dev, 1),
     ))
+}
+
+/// Delayed scaling's history step over `hist` (f32 `[slots, 2 + n_hist]` on the device, see
+/// `vime_fp8_amax_commit`) for the slots whose `mask` byte is set. One upload, one launch.
+pub(crate) fn fp8_amax_commit(hist: &Tensor, mask: &[u8], n_hist: usize, use_max: bool) -> Result<()> {
+    let (slots, width) = hist.dims2()?;
+    if width != 2 + n_hist || mask.len() != slots {
+        bail!(
+            "fp8 amax commit: a history of {:?} for {} slots of {n_hist} entries",
+            hist.dims(),
+            mask.len()
+        );
+    }
+    let dev = dev_of(hist, "fp8 amax commit")?;
+    let hp = tensor_addr::<f32>(hist, "fp8 amax history")?;
+    let m = dev.cuda_stream().clone_htod(mask).w()?;
+    let mp = super::slice_addr(&m, &dev);
+    let (s_i, n_i, u_i) = (
+        i32_of("fp8 amax commit", "slots", slots)?,
+        i32_of("fp8 amax commit", "history length", n_hist)?,
+        i32::from(use_max),
+    );
+    let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_amax_commit")?;
+    launch!(
+        dev,
+        f,
+        super::cfg(slots.div_ceil(128).max(1) as u32, 128),
+        [&hp, &mp, &s_i, &n_i, &u_i]
+    );
+    Ok(())
 }
 
 /// One FP8 GEMM shape (column-major, as cuBLASLt sees it): `C [m, n] = A^T B (+ beta C)`, A

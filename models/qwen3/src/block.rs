@@ -51,7 +51,7 @@ use candle_core::{Tensor, Var};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use vime_dist::{Collectives, ReduceOp};
-use vime_kernels::fp8::{self, Fp8Format, Fp8Tensor, Side};
+use vime_kernels::fp8::{self, AmaxHistory, DelayedScaling, Fp8Format, Fp8Tensor, Side};
 use vime_kernels::{
     matmul_acc, rms_norm, rms_norm_backward_add, rope, swiglu, swiglu_backward, varlen_attention,
     varlen_attention_backward, varlen_attention_saved, AttentionSaved, KernelConfig,
@@ -86,6 +86,88 @@ pub struct BlockCtx {
     /// The FP8 copies of the weights while a [`Fp8WeightCache`] scope is open (see
     /// `Qwen3::with_fp8_weight_cache`); clones of the context share it.
     pub(crate) fp8_weights: Fp8WeightCache,
+    /// Decoder layers of the model (the FP8 amax history has a slot per layer and role).
+    pub layers: usize,
+    /// Delayed scaling's amax histories (`KernelConfig::fp8_delayed`); clones share them.
+    pub(crate) fp8_amax: Fp8Amax,
+}
+
+/// The roles of a block's FP8 activations (E4M3: the four linear inputs) and gradients (E5M2:
+/// the seven output gradients), an amax history slot each under delayed scaling.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Fp8Role {
+    H1,
+    A2,
+    H2,
+    Act,
+    DQ,
+    DK,
+    DV,
+    DO,
+    DGate,
+    DUp,
+    DDown,
+}
+
+/// Slots a layer has in the amax history.
+const FP8_ROLES: usize = 11;
+
+impl Proj {
+    /// The role of this projection's input.
+    fn input_role(self) -> Fp8Role {
+        match self {
+            Proj::Q | Proj::K | Proj::V => Fp8Role::H1,
+            Proj::O => Fp8Role::A2,
+            Proj::Gate | Proj::Up => Fp8Role::H2,
+            Proj::Down => Fp8Role::Act,
+        }
+    }
+}
+
+/// Delayed scaling's state ([`AmaxHistory`]), made at the first quantization under
+/// `KernelConfig::fp8_delayed` (again if the config's history settings change).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Fp8Amax(Arc<std::sync::Mutex<Option<AmaxHistory>>>);
+
+impl Fp8Amax {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<AmaxHistory>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    /// Commits the roles recorded since the last commit (see [`AmaxHistory::commit`]).
+    pub(crate) fn commit(&self) -> Result<()> {
+        if let Some(h) = self.lock().as_mut() {
+            h.commit()?;
+        }
+        Ok(())
+    }
+    /// The settings, rows and seeded roles, if a history exists.
+    pub(crate) fn state(&self) -> Result<Option<crate::model::Fp8AmaxState>> {
+        match self.lock().as_ref() {
+            Some(h) => {
+                let (rows, seeded) = h.to_host()?;
+                Ok(Some(crate::model::Fp8AmaxState {
+                    config: h.config(),
+                    rows,
+                    seeded,
+                }))
+            }
+            None => Ok(None),
+        }
+    }
+    /// Replaces the state with a saved one, making the history first.
+    pub(crate) fn load(
+        &self,
+        cfg: DelayedScaling,
+        slots: usize,
+        rows: &[f32],
+        seeded: &[bool],
+        device: &candle_core::Device,
+    ) -> Result<()> {
+        let mut h = AmaxHistory::new(cfg, slots, device)?;
+        h.load_host(rows, seeded)?;
+        *self.lock() = Some(h);
+        Ok(())
+    }
 }
 
 /// Each linear weight quantized once (rows and transpose) for the micro-batches of one optimizer
@@ -143,7 +225,58 @@ impl BlockCtx {
             sequence_parallel: false,
             comm_overlap: false,
             fp8_weights: Fp8WeightCache::default(),
+            layers: cfg.num_hidden_layers,
+            fp8_amax: Fp8Amax::default(),
         }
+    }
+
+    /// Slots of the amax history: a role of each layer.
+    pub(crate) fn fp8_slots(&self) -> usize {
+        self.layers * FP8_ROLES
+    }
+
+    /// An activation (E4M3) or gradient (E5M2) of `layer` in `role` as an FP8 GEMM operand, its
+    /// rows padded to [`FP8_ROWS`], with its transpose when a weight gradient will read it:
+    /// current scaling, or under `KernelConfig::fp8_delayed` the role's amax history (`record`:
+    /// this tensor's amax joins it at the next commit; passes that a backward repeats or that have
+    /// none do not record).
+    fn fp8_act(
+        &self,
+        layer: usize,
+        role: Fp8Role,
+        t: &Tensor,
+        format: Fp8Format,
+        transpose: bool,
+        record: bool,
+    ) -> Result<Fp8Tensor> {
+        let Some(cfg) = self.kernels.fp8_delayed() else {
+            return fp8_quantized(t, format, transpose, FP8_ROWS);
+        };
+        if t.dtype() != candle_core::DType::BF16 {
+            bail!(
+                "--fp8-format runs on bf16 models (--dtype bf16); this one is {:?}",
+                t.dtype()
+            );
+        }
+        if layer >= self.layers {
+            bail!("fp8: layer {layer} of a model of {} layers", self.layers);
+        }
+        let mut g = self.fp8_amax.lock();
+        if !g
+            .as_ref()
+            .is_some_and(|h| h.config() == cfg && h.slots() == self.fp8_slots())
+        {
+            *g = Some(AmaxHistory::new(cfg, self.fp8_slots(), t.device())?);
+        }
+        let h = g.as_mut().expect("made above");
+        Ok(h.quantize(
+            layer * FP8_ROLES + role as usize,
+            t,
+            format,
+            transpose,
+            FP8_ROWS,
+            record,
+        )?)
     }
 
     /// The context of one rank at tensor-parallel size `tp`: its share of the query heads, the
@@ -351,12 +484,6 @@ pub(crate) struct SavedFp8 {
 /// Rows of every FP8 operand are padded to this (Hopper's FP8 GEMMs need dimensions of 16).
 const FP8_ROWS: usize = 16;
 
-/// An activation (E4M3) or gradient (E5M2) as an FP8 GEMM operand, its token rows padded to
-/// [`FP8_ROWS`]; `transpose` when a weight gradient will read it.
-fn fp8_of(t: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Tensor> {
-    fp8_quantized(t, format, transpose, FP8_ROWS)
-}
-
 fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) -> Result<Fp8Tensor> {
     if t.dtype() != candle_core::DType::BF16 {
         bail!(
@@ -389,11 +516,15 @@ fn project(w: Weight, x: &Tensor, xq: Option<&Fp8Tensor>, bias: Option<&Var>) ->
     })
 }
 
-/// [`project`] for a scoring pass: in FP8 under `KernelConfig::fp8` (the input quantized here),
-/// so that scoring runs the training forward's arithmetic.
+/// [`project`] for a scoring pass: in FP8 under `KernelConfig::fp8` (the input quantized here,
+/// recording nothing under delayed scaling), so that scoring runs the training forward's
+/// arithmetic.
 fn linear_scoring(w: Weight, x: &Tensor, bias: Option<&Var>) -> Result<Tensor> {
     let xq = if w.ctx.kernels.fp8() {
-        Some(fp8_of(x, Fp8Format::E4M3, false)?)
+        Some(
+            w.ctx
+                .fp8_act(w.layer, w.proj.input_role(), x, Fp8Format::E4M3, false, false)?,
+        )
     } else {
         None
     };
@@ -418,6 +549,7 @@ enum Proj {
 struct Weight<'a> {
     ctx: &'a BlockCtx,
     layer: usize,
+    proj: Proj,
     name: &'static str,
     var: &'a Var,
 }
@@ -560,6 +692,7 @@ impl Block {
         Weight {
             ctx,
             layer: self.index,
+            proj: p,
             name,
             var,
         }
@@ -668,15 +801,29 @@ impl Block {
         // FP8 linear layers (training and scoring, not decoding): each input quantized once, with
         // its transpose when the backward will read it.
         let fp8 = ctx.kernels.fp8() && decode_rows.is_none();
+        // Under delayed scaling only a forward that keeps everything records its amaxes: a
+        // recompute's first forward and a scoring pass read the histories, and the recompute
+        // (which keeps everything) records, so it quantizes with the scales of the pass it repeats.
         let keep_t = keep == Keep::All;
-        let quant = |x: &Tensor| -> Result<Option<Fp8Tensor>> {
+        let quant = |x: &Tensor, role: Fp8Role| -> Result<Option<Fp8Tensor>> {
             if fp8 {
-                Ok(Some(fp8_of(x, Fp8Format::E4M3, keep_t)?))
+                Ok(Some(ctx.fp8_act(
+                    self.index,
+                    role,
+                    x,
+                    Fp8Format::E4M3,
+                    keep_t,
+                    keep_t,
+                )?))
             } else {
                 Ok(None)
             }
         };
-        let h1q = if fused.is_none() { quant(&h1)? } else { None };
+        let h1q = if fused.is_none() {
+            quant(&h1, Fp8Role::H1)?
+        } else {
+            None
+        };
         let (q, k, v) = if let Some((wqkv, _)) = fused {
             let (hq, hkv) = (ctx.q_heads, ctx.kv_heads);
             let qkv = h1.matmul(&wqkv.t()?)?.reshape((t, hq + 2 * hkv, d))?;
@@ -716,7 +863,7 @@ impl Block {
         };
         let a2 = attn.reshape((t, ctx.q_heads * d))?;
         // Row-parallel o_proj: the partial products summed over TP, the bias added once after.
-        let a2q = quant(&a2)?;
+        let a2q = quant(&a2, Fp8Role::A2)?;
         let o = sp_reduce(ctx, tp, project(self.weight(ctx, Proj::O), &a2, a2q.as_ref(), None)?)?;
         let o = match &self.o_bias {
             Some(b) => o.broadcast_add(&dw(b))?,
@@ -740,12 +887,12 @@ impl Block {
             return Ok((y, Kept::Nothing));
         }
         // Column-parallel gate/up (this rank's share of the intermediate size).
-        let h2q = quant(&h2)?;
+        let h2q = quant(&h2, Fp8Role::H2)?;
         let gate = project(self.weight(ctx, Proj::Gate), &h2, h2q.as_ref(), None)?;
         let up = project(self.weight(ctx, Proj::Up), &h2, h2q.as_ref(), None)?;
         let act = swiglu(&gate, &up)?;
         // Row-parallel down_proj, summed over TP.
-        let actq = quant(&act)?;
+        let actq = quant(&act, Fp8Role::Act)?;
         let down = project(self.weight(ctx, Proj::Down), &act, actq.as_ref(), None)?;
         let y = vime_kernels::add(&x2, &sp_reduce(ctx, tp, down)?)?;
         let attn_saved = match (keep, attn_saved) {
@@ -815,13 +962,16 @@ impl Block {
         let (h2, act) = match &s.inputs {
             LinearInputs::Bf16 { h2, act, .. } => (h2.clone(), act.clone()),
             LinearInputs::Fp8(f) => {
-                let dyq = fp8_of(&dy_all, Fp8Format::E5M2, true)?;
+                let dyq = ctx.fp8_act(self.index, Fp8Role::DDown, &dy_all, Fp8Format::E5M2, true, true)?;
                 put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
                 let ds = self.dgrad_fp8_sum(ctx, &[(&dyq, Proj::Down)])?;
                 drop((dyq, dy_all));
                 let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
                 drop(ds);
-                let (dgq, duq) = (fp8_of(&dg, Fp8Format::E5M2, true)?, fp8_of(&du, Fp8Format::E5M2, true)?);
+                let (dgq, duq) = (
+                    ctx.fp8_act(self.index, Fp8Role::DGate, &dg, Fp8Format::E5M2, true, true)?,
+                    ctx.fp8_act(self.index, Fp8Role::DUp, &du, Fp8Format::E5M2, true, true)?,
+                );
                 drop((dg, du));
                 let dh2 = self.dgrad_fp8_sum(ctx, &[(&dgq, Proj::Gate), (&duq, Proj::Up)])?;
                 let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
@@ -887,7 +1037,7 @@ impl Block {
         }
         let da = match f8 {
             Some(f) => {
-                let dq = fp8_of(&dx2_all, Fp8Format::E5M2, true)?;
+                let dq = ctx.fp8_act(self.index, Fp8Role::DO, &dx2_all, Fp8Format::E5M2, true, true)?;
                 put_wgrad_fp8(grads, name("self_attn.o_proj.weight"), &dq, &f.a2)?;
                 self.dgrad_fp8_sum(ctx, &[(&dq, Proj::O)])?
             }
@@ -941,9 +1091,9 @@ impl Block {
         let qkv8 = match f8 {
             Some(f) => Some((
                 f,
-                fp8_of(&dq, Fp8Format::E5M2, true)?,
-                fp8_of(&dk, Fp8Format::E5M2, true)?,
-                fp8_of(&dv, Fp8Format::E5M2, true)?,
+                ctx.fp8_act(self.index, Fp8Role::DQ, &dq, Fp8Format::E5M2, true, true)?,
+                ctx.fp8_act(self.index, Fp8Role::DK, &dk, Fp8Format::E5M2, true, true)?,
+                ctx.fp8_act(self.index, Fp8Role::DV, &dv, Fp8Format::E5M2, true, true)?,
             )),
             None => None,
         };

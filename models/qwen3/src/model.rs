@@ -195,6 +195,16 @@ pub struct Gradients {
     pub head: GradStore,
 }
 
+/// Delayed FP8 scaling's amax histories on the host ([`Qwen3::fp8_amax_state`]): the settings,
+/// the rows (f32 `[roles, 2 + history_len]`, see `vime_kernels::fp8::AmaxHistory`) and which
+/// roles have a history yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp8AmaxState {
+    pub config: vime_kernels::fp8::DelayedScaling,
+    pub rows: Vec<f32>,
+    pub seeded: Vec<bool>,
+}
+
 pub struct Qwen3 {
     cfg: Qwen3Config,
     pub(crate) embed: Var,
@@ -532,6 +542,29 @@ impl Qwen3 {
         }
         let _close = Close(&self.ctx.fp8_weights);
         f()
+    }
+
+    /// Delayed FP8 scaling's state (`KernelConfig::fp8_delayed`) on the host, `None` before
+    /// the first FP8 quantization made it: what a checkpoint saves so that a resumed run scales
+    /// as the uninterrupted one (reads the device).
+    pub fn fp8_amax_state(&self) -> Result<Option<Fp8AmaxState>> {
+        self.ctx.fp8_amax.state()
+    }
+
+    /// Restores [`Self::fp8_amax_state`]'s state: an error naming both if it was saved for
+    /// another number of layers or another history length.
+    pub fn load_fp8_amax_state(&self, state: &Fp8AmaxState) -> Result<()> {
+        let slots = self.ctx.fp8_slots();
+        if state.seeded.len() != slots {
+            bail!(
+                "the saved FP8 amax history has {} roles, this model {slots} ({} layers)",
+                state.seeded.len(),
+                self.ctx.layers
+            );
+        }
+        self.ctx
+            .fp8_amax
+            .load(state.config, slots, &state.rows, &state.seeded, self.embed.device())
     }
 
     /// The blocks' context: local dims (today the global ones) and the kernel choice.
@@ -1191,6 +1224,8 @@ impl Qwen3 {
             // accumulator once did, each launch found the GPU idle). One launch for all of them.
             self.widen_to_sums(&mut params, held)?;
         }
+        // Delayed FP8 scaling: this micro-batch's amaxes join the histories (queued; no sync).
+        self.ctx.fp8_amax.commit()?;
         // The loss value last: reading it waits for the device, and read before the backward it
         // left the GPU idle while the host queued the head's backward (~0.4-0.8 ms a micro-batch
         // at 4B in the timeline, allocations included).

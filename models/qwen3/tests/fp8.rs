@@ -7,6 +7,7 @@
 //! by the FP8 GEMMs; and a clear error for a model that is not bf16.
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeMap;
+use vime_kernels::fp8::DelayedScaling;
 use vime_kernels::testing::{rel_err, Rng};
 use vime_qwen3::batch::PackedBatch;
 use vime_qwen3::config::Qwen3Config;
@@ -195,4 +196,145 @@ fn the_step_weight_cache_gives_the_bits_of_quantizing_at_every_use() {
             "the gradient of {n} differs with the cache"
         );
     }
+}
+
+/// A bf16 FP8 model with delayed scaling (`--fp8-recipe delayed`).
+fn delayed(cfg: &Qwen3Config, w: &BTreeMap<String, Tensor>, d: DelayedScaling) -> Qwen3 {
+    let mut m = model(cfg, w, DType::BF16, true);
+    let k = m.kernel_config().clone().with_fp8_delayed(Some(d));
+    m.set_kernel_config(k);
+    m
+}
+
+fn same_bits(a: &BTreeMap<String, Tensor>, b: &BTreeMap<String, Tensor>) -> Option<String> {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter().find(|(n, t)| bits(t) != bits(&b[*n])).map(|(n, _)| n.clone())
+}
+
+#[test]
+fn delayed_scaling_seeds_with_current_scaling_then_scales_by_the_last_micro_batch() {
+    // The first micro-batch has no history: every role is scaled by its own amax, the
+    // tensorwise bits. The second, on the same batch (same weights, same inputs, so the same
+    // amaxes), scales by the first's amaxes: tensorwise's bits again. On another batch it
+    // scales by amaxes that are not its own: other bits, still within FP8's precision of the
+    // tensorwise gradients. A margin of 1 halves every scale: other bits too.
+    let cfg = common::tiny(false, true);
+    let w = tensors(&cfg, 10);
+    let (b, other) = (batch(), two_micro_batches().1);
+    let tw = model(&cfg, &w, DType::BF16, true);
+    let (l_tw, g_tw) = grads(&tw, &b, Recompute::None).unwrap();
+    let (_, g_tw_other) = grads(&tw, &other, Recompute::None).unwrap();
+    let m = delayed(&cfg, &w, DelayedScaling::default());
+    assert!(
+        m.fp8_amax_state().unwrap().is_none(),
+        "no history before the first FP8 pass"
+    );
+    let (l1, g1) = grads(&m, &b, Recompute::None).unwrap();
+    assert_eq!(l1, l_tw);
+    assert_eq!(same_bits(&g1, &g_tw), None, "the first micro-batch is tensorwise");
+    let st = m.fp8_amax_state().unwrap().expect("a history after the first pass");
+    let roles = cfg.num_hidden_layers * 11;
+    assert_eq!((st.seeded.len(), st.rows.len()), (roles, roles * 3));
+    assert!(
+        st.seeded.iter().all(|&s| s),
+        "every role of the training pass is seeded"
+    );
+    for r in st.rows.chunks(3) {
+        // [pending, amax, h_0]: committed (pending 0), most recent (amax = h_0), a real amax.
+        assert_eq!((r[0], r[1]), (0.0, r[2]), "{r:?}");
+        assert!(r[2] > 0.0 && r[2].is_finite(), "{r:?}");
+    }
+    let (l2, g2) = grads(&m, &b, Recompute::None).unwrap();
+    assert_eq!(l2, l_tw);
+    assert_eq!(same_bits(&g2, &g_tw), None, "the same batch again: its own amaxes");
+    let (_, g3) = grads(&m, &other, Recompute::None).unwrap();
+    let differs = same_bits(&g3, &g_tw_other);
+    assert!(differs.is_some(), "another batch scaled by the last one's amaxes");
+    // Against the exact gradients (f64), as the first test holds tensorwise: the same bound,
+    // and near tensorwise's own error (the two batches' amaxes are alike; a lost or inverted
+    // scale would be far off).
+    let (_, g64) = grads(&model(&cfg, &w, DType::F64, false), &other, Recompute::None).unwrap();
+    let (e_d, e_tw) = (total_err(&g3, &g64), total_err(&g_tw_other, &g64));
+    eprintln!("gradient rel err against f64: delayed {e_d:.3e}, tensorwise {e_tw:.3e}");
+    assert!(e_d < 0.35 && e_d < 1.5 * e_tw, "delayed {e_d:e} vs tensorwise {e_tw:e}");
+    let half = delayed(
+        &cfg,
+        &w,
+        DelayedScaling {
+            margin: 1,
+            ..Default::default()
+        },
+    );
+    grads(&half, &b, Recompute::None).unwrap();
+    let (_, gh) = grads(&half, &b, Recompute::None).unwrap();
+    assert!(same_bits(&gh, &g_tw).is_some(), "a margin changes the scales");
+    let (_, g64) = grads(&model(&cfg, &w, DType::F64, false), &b, Recompute::None).unwrap();
+    let (e_h, e_tw) = (total_err(&gh, &g64), total_err(&g_tw, &g64));
+    eprintln!("margin 1: gradient rel err against f64 {e_h:.3e}, tensorwise {e_tw:.3e}");
+    assert!(
+        e_h < 0.35 && e_h < 1.5 * e_tw,
+        "margin 1 {e_h:e} vs tensorwise {e_tw:e}"
+    );
+}
+
+#[test]
+fn delayed_scaling_recompute_scoring_and_a_restored_history_give_the_same_bits() {
+    // Recompute quantizes with the scales of the forward it repeats, and records once: full
+    // and keep-attention recompute give no recompute's bits, and leave the same history. A
+    // scoring pass reads the history and records nothing. A history saved after a micro-batch
+    // and loaded into a fresh model gives the next micro-batches' bits (exact resume).
+    let cfg = common::tiny(true, false);
+    let w = tensors(&cfg, 11);
+    let (b1, b2) = two_micro_batches();
+    let b3 = batch();
+    let d = DelayedScaling {
+        history_len: 2,
+        use_max: true,
+        margin: 0,
+    };
+    let run = |rec: Recompute, score: bool| {
+        let m = delayed(&cfg, &w, d);
+        grads(&m, &b1, rec).unwrap();
+        if score {
+            m.logprobs_entropy(&b3).unwrap();
+        }
+        let s = m.fp8_amax_state().unwrap().unwrap();
+        let (l2, g2) = grads(&m, &b2, rec).unwrap();
+        let (l3, g3) = grads(&m, &b3, rec).unwrap();
+        (s, l2, g2, l3, g3, m.fp8_amax_state().unwrap().unwrap())
+    };
+    let (s1, l2, g2, l3, g3, s3) = run(Recompute::None, false);
+    for (rec, score) in [
+        (Recompute::Full, false),
+        ("full,keep-attention".parse().unwrap(), false),
+        (Recompute::None, true),
+    ] {
+        let (t1, m2, h2, m3, h3, t3) = run(rec, score);
+        assert_eq!((&t1, &t3), (&s1, &s3), "{rec:?} score={score}: the histories");
+        assert_eq!((m2, m3), (l2, l3), "{rec:?} score={score}: losses");
+        assert_eq!(same_bits(&h2, &g2), None, "{rec:?} score={score}");
+        assert_eq!(same_bits(&h3, &g3), None, "{rec:?} score={score}");
+    }
+    // History of 2, max: after three micro-batches each role's amax is the larger of the last
+    // two.
+    for r in s3.rows.chunks(4) {
+        assert_eq!(r[1], r[2].max(r[3]), "{r:?}");
+    }
+    // Resume: a fresh model with the history saved after b1.
+    let fresh = delayed(&cfg, &w, d);
+    fresh.load_fp8_amax_state(&s1).unwrap();
+    let (m2, h2) = grads(&fresh, &b2, Recompute::None).unwrap();
+    let (m3, h3) = grads(&fresh, &b3, Recompute::None).unwrap();
+    assert_eq!((m2, m3), (l2, l3));
+    assert_eq!(same_bits(&h2, &g2), None, "resumed: micro-batch 2");
+    assert_eq!(same_bits(&h3, &g3), None, "resumed: micro-batch 3");
+    // Without the history, the fresh model seeds again: other bits.
+    let cold = delayed(&cfg, &w, d);
+    let (_, c2) = grads(&cold, &b2, Recompute::None).unwrap();
+    assert!(same_bits(&c2, &g2).is_some(), "a history that was not restored shows");
+    // A history for another model shape is refused, naming both.
+    let mut wrong = s1.clone();
+    wrong.seeded.pop();
+    let e = fresh.load_fp8_amax_state(&wrong).unwrap_err().to_string();
+    assert!(e.contains("roles") && e.contains("layers"), "{e}");
 }

@@ -230,7 +230,7 @@ fn run(cli: Cli) -> Result<i32> {
             let t0 = std::time::Instant::now();
             let mut model = Qwen3::load_hf(&hf_checkpoint, dtype, &device)
                 .with_context(|| format!("loading the checkpoint {}", hf_checkpoint.display()))?;
-            let k = head.apply(model.kernel_config().clone().with_fp8(fp8.enabled()?))?;
+            let k = head.apply(fp8.apply(model.kernel_config().clone())?)?;
             model.set_kernel_config(k);
             device.synchronize()?;
             let loaded = t0.elapsed().as_secs_f64();

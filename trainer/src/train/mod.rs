@@ -287,9 +287,8 @@ impl<'a> Run<'a> {
         };
         let kernels =
             crate::device::apply_kernel_flags(&args.attention_backend, args.deterministic_mode, on_cudnn_failure)?
-                .with_batch_invariant(args.true_on_policy_mode)
-                .with_fp8(args.fp8.enabled()?);
-        let kernels = args.head.apply(kernels)?;
+                .with_batch_invariant(args.true_on_policy_mode);
+        let kernels = args.head.apply(args.fp8.apply(kernels)?)?;
         if args.true_on_policy_mode && world.rank() == 0 {
             let d = world.dims();
             if d.tp > 1 || d.cp > 1 || args.rollout_engine != "embedded" {
@@ -395,6 +394,7 @@ impl<'a> Run<'a> {
         if let Some(l) = &resumed {
             opt.load_state_tensors_tp(&l.optimizer, l.state.optimizer_step, &**world.dp())
                 .with_context(|| format!("loading the optimizer state of {}", l.dir.display()))?;
+            restore_fp8_amax(l, "policy", world.rank(), &policy, &ui)?;
             state = l.state.clone();
             ui.log(&format!(
                 "resuming from {} (step {}, {} optimizer steps)",
@@ -471,6 +471,9 @@ impl<'a> Run<'a> {
                         .unwrap_or(0);
                     copt.load_state_tensors_tp(&l.critic_optimizer, steps, &**world.dp())?;
                 }
+            }
+            if let Some(l) = &resumed {
+                restore_fp8_amax(l, "critic", world.rank(), critic.backbone(), &ui)?;
             }
             Some((critic, copt, LrScheduler::new(&critic_args)?))
         } else {
@@ -814,6 +817,15 @@ impl<'a> Run<'a> {
             Some((c, _, _)) if self.world.tp().size() > 1 => c.gathered(&**self.world.tp(), self.world.rank() == 0)?,
             _ => None,
         };
+        // Delayed FP8 scaling's amax histories, every rank's (each scales its own tensors).
+        let mut extra = BTreeMap::new();
+        if self.policy.kernel_config().fp8_delayed().is_some() {
+            let world = &**self.world.world();
+            extra.extend(ckpt::fp8_amax::gather(world, "policy", &self.policy)?);
+            if let Some((c, _, _)) = &self.critic {
+                extra.extend(ckpt::fp8_amax::gather(world, "critic", c.backbone())?);
+            }
+        }
         if self.world.rank() != 0 {
             self.world
                 .world()
@@ -821,7 +833,6 @@ impl<'a> Run<'a> {
                 .context("waiting for rank 0 to write the checkpoint")?;
             return Ok(root.join(ckpt::iter_dir_name(self.state.step)));
         }
-        let extra = BTreeMap::new();
         let contents = CheckpointContents {
             state: &self.state,
             model: whole.as_ref().unwrap_or(&self.policy),
@@ -1465,6 +1476,26 @@ fn brief(m: &BTreeMap<String, f64>) -> String {
 /// Under tensor parallelism, the whole policy gathered from the TP shards (every TP rank must call
 /// it: the gather is collective), kept where `keep` (the rank that needs it: the engine's, the
 /// checkpoint writer); `None` without TP (the policy itself is whole).
+/// Under `--fp8-recipe delayed`, this rank's amax history of `name` from the resumed checkpoint
+/// `l`, so the run scales its FP8 tensors as the uninterrupted one would; a warning when the
+/// checkpoint has none for this rank (saved with another recipe or by fewer ranks).
+fn restore_fp8_amax(l: &ckpt::Loaded, name: &str, rank: usize, m: &Qwen3, ui: &Ui) -> Result<()> {
+    if m.kernel_config().fp8_delayed().is_none() {
+        return Ok(());
+    }
+    if !ckpt::fp8_amax::restore(&l.extra_tensors, name, rank, m)
+        .with_context(|| format!("resuming from {}", l.dir.display()))?
+    {
+        ui.log(&format!(
+            "warning: {} has no FP8 amax history of the {name} for rank {rank} (saved without --fp8-recipe \
+             delayed, or by fewer ranks): the histories start over, so the first micro-batch scales by its own \
+             amaxes and the FP8 bits differ from an uninterrupted run's",
+            l.dir.display()
+        ));
+    }
+    Ok(())
+}
+
 fn whole_policy(policy: &Qwen3, tp: &dyn vime_dist::Collectives, keep: bool) -> Result<Option<Qwen3>> {
     if tp.size() == 1 {
         return Ok(None);
