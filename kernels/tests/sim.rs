@@ -8,7 +8,11 @@
 //! - `check_widen_add.cpp`: bf16 gradients into f32 sums in one launch against cast and add;
 //! - `check_lmhead_stats.cpp`: the LM head's grouped statistics against a double log-softmax and
 //!   entropy (rescaling, tails, misaligned rows, chunk remainders); its bf16-logits kernels against
-//!   the f32 ones on the same values, bit for bit.
+//!   the f32 ones on the same values, bit for bit;
+//! - `check_fp8.cpp`: `cuda/fp8.cu`'s amax, cast and amax-history commit kernels against a host
+//!   reference of the same rule: current scaling, delayed scaling (a given amax, a margin,
+//!   saturation, the tiles' maxima recorded by atomicMax), odd and misaligned shapes, padded
+//!   transposes.
 
 use std::path::Path;
 use std::process::Command;
@@ -69,4 +73,9 @@ fn tempfile_dir(src: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("vime-sim-{}-{src}", std::process::id()));
     std::fs::create_dir_all(&d).expect("creating a temporary directory");
     d
+}
+
+#[test]
+fn fp8_cast_and_amax_history_kernels_match_their_rule_in_the_simulator() {
+    run_sim("check_fp8.cpp", "FP8 CAST: PASS");
 }
