@@ -31,6 +31,8 @@
 #                 (--fp8-format hybrid --fp8-recipe tensorwise) against bf16 in the same run.
 #                 Stretch goal >= 25,000 tokens/s; its log-prob error is scripts/gpu/fp8_error.sh.
 #   4b-256k-fp8   The 4b-256k row with FP8 linear layers (each weight quantized once a step).
+#                 The FP8 rows' recipe is FP8_RECIPE (default tensorwise; delayed: activations and
+#                 gradients scaled by amax histories, no amax pass).
 # Needs gpu-carry/{device-env.sh, vime-train.xz, COMMIT}. Settings: STEPS (default 10; 3 for
 # 4b-256k), WARMUP (default 2; 1 for 4b-256k), TIMEOUT per contender (default 300).
 # Ends with `BENCH_ROW <row> VERDICT: ...: PASS|FAIL|RECORDED`; exit status 0 on PASS or RECORDED.
@@ -42,6 +44,8 @@ export RESULTS_DIR=/tmp/bench_rows_results/$ROW
 export RESET=1 TIMEOUT=${TIMEOUT:-300} STEPS=${STEPS:-10} WARMUP=${WARMUP:-2} SEQS=4096
 # Where te_kit.sh installed Transformer Engine; bench_train.sh runs megatron-te from it.
 export TE_SITE=${TE_SITE:-/tmp/te-site}
+# The FP8 rows' --fp8-recipe.
+FP8_RECIPE=${FP8_RECIPE:-tensorwise}
 source gpu-carry/device-env.sh
 BIN=/tmp/vime-train
 [ -x "$BIN" ] || { xz -dc gpu-carry/vime-train.xz > "$BIN" && chmod +x "$BIN"; }
@@ -116,19 +120,19 @@ case $ROW in
     ;;
   4b-fp8)
     MODELS=qwen3-4b RECOMPUTES=none SYSTEMS=vime train
-    RESULTS_DIR=$RESULTS_DIR/fp8 VIME_FLAGS="--fp8-format hybrid --fp8-recipe tensorwise" MODELS=qwen3-4b \
+    RESULTS_DIR=$RESULTS_DIR/fp8 VIME_FLAGS="--fp8-format hybrid --fp8-recipe $FP8_RECIPE" MODELS=qwen3-4b \
       RECOMPUTES=none SYSTEMS=vime train
     b=$(field vime-qwen3-4b-4096-none tokens_per_s)
     f=$(RESULTS_DIR=$RESULTS_DIR/fp8 field vime-qwen3-4b-4096-none tokens_per_s)
     r=$(ratio "$f" "$b"); errors
-    verdict "$ROW" "qwen3-4b s=4096 8192 tokens/step: FP8 (hybrid, tensorwise) $(printf %.0f "$f") tokens/s, bf16 $(printf %.0f "$b"), fp8/bf16 = ${r}x (stretch goal >= 25000; the log-prob error: scripts/gpu/fp8_error.sh)" \
+    verdict "$ROW" "qwen3-4b s=4096 8192 tokens/step: FP8 (hybrid, $FP8_RECIPE) $(printf %.0f "$f") tokens/s, bf16 $(printf %.0f "$b"), fp8/bf16 = ${r}x (stretch goal >= 25000; the log-prob error: scripts/gpu/fp8_error.sh)" \
       "$([ "$(ge "$f" 25000)" = 1 ] && echo PASS || echo FAIL)"
     ;;
   4b-256k-fp8)
-    STEPS=${STEPS_256K:-3} WARMUP=${WARMUP_256K:-1} VIME_FLAGS="--fp8-format hybrid --fp8-recipe tensorwise" \
+    STEPS=${STEPS_256K:-3} WARMUP=${WARMUP_256K:-1} VIME_FLAGS="--fp8-format hybrid --fp8-recipe $FP8_RECIPE" \
       MODELS=qwen3-4b RECOMPUTES=none SYSTEMS=vime TOKENS_PER_STEP=262144 train
     v=$(field vime-qwen3-4b-4096-none tokens_per_s); errors
-    verdict "$ROW" "qwen3-4b s=4096 262144 tokens/step (32 micro-batches), FP8 linear layers: vime $(printf %.0f "$v") tokens/s (the bf16 row's goal: >= 21000)" \
+    verdict "$ROW" "qwen3-4b s=4096 262144 tokens/step (32 micro-batches), FP8 linear layers ($FP8_RECIPE): vime $(printf %.0f "$v") tokens/s (the bf16 row's goal: >= 21000)" \
       "$([ "$(ge "$v" 21000)" = 1 ] && echo PASS || echo FAIL)"
     ;;
   *) echo "bench_rows.sh: unknown row $ROW (4b, 4b-256k, 0.6b, 4b-ragged, 4b-recompute, 8b, 4b-fp8, 4b-256k-fp8)" >&2; exit 2 ;;
