@@ -273,6 +273,16 @@ pub fn quantize(x: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Ten
 /// need every dimension a multiple of 16, and a batch's token count is anything). The scale is
 /// the tensor's own: zeros do not move the amax.
 pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple: usize) -> Result<Fp8Tensor> {
+    let rows_pad = padded_rows(x, multiple)?;
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return quantize_cuda(x, format, transpose, rows_pad, crate::cuda::CastScale::CURRENT);
+    }
+    Ok(quantize_cpu(x, format, transpose, rows_pad, None, 1.0)?.0)
+}
+
+/// `x`'s rows rounded up to a multiple of `multiple`; an error unless `x` is a bf16 matrix.
+fn padded_rows(x: &Tensor, multiple: usize) -> Result<usize> {
     let (rows, _) = x.dims2()?;
     if x.dtype() != DType::BF16 {
         bail!(
@@ -281,21 +291,27 @@ pub fn quantize_padded(x: &Tensor, format: Fp8Format, transpose: bool, multiple:
             x.dims()
         );
     }
-    let rows_pad = rows.div_ceil(multiple.max(1)) * multiple.max(1);
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        let scale = crate::cuda::CastScale::CURRENT;
-        let (data, data_t, scale_inv) =
-            crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
-        return Ok(Fp8Tensor {
-            rows,
-            data,
-            data_t,
-            scale_inv,
-            format,
-        });
-    }
-    Ok(quantize_cpu(x, format, transpose, rows_pad, None, 1.0)?.0)
+    Ok(rows.div_ceil(multiple.max(1)) * multiple.max(1))
+}
+
+/// The CUDA kernels' quantization of `x` (`cuda/fp8.cu`), scaled as `scale` says.
+#[cfg(feature = "cuda")]
+fn quantize_cuda(
+    x: &Tensor,
+    format: Fp8Format,
+    transpose: bool,
+    rows_pad: usize,
+    scale: crate::cuda::CastScale,
+) -> Result<Fp8Tensor> {
+    let (data, data_t, scale_inv) =
+        crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
+    Ok(Fp8Tensor {
+        rows: x.dim(0)?,
+        data,
+        data_t,
+        scale_inv,
+        format,
+    })
 }
 
 /// The CPU reference of both scalings: the scale from `scale_amax` (delayed) or from `x`'s own
@@ -451,15 +467,7 @@ impl AmaxHistory {
         if slot >= self.slots {
             bail!("fp8 amax history: role {slot} of {}", self.slots);
         }
-        let (rows, _) = x.dims2()?;
-        if x.dtype() != DType::BF16 {
-            bail!(
-                "fp8 quantize: expected a bf16 tensor, got {:?} {:?}",
-                x.dtype(),
-                x.dims()
-            );
-        }
-        let rows_pad = rows.div_ceil(multiple.max(1)) * multiple.max(1);
+        let rows_pad = padded_rows(x, multiple)?;
         let (seeded, width, mul) = (self.seeded[slot], self.width(), self.cfg.scale_mul());
         self.recorded[slot] |= record;
         match &mut self.rows {
@@ -490,15 +498,7 @@ impl AmaxHistory {
                     scale_mul: if seeded { mul } else { 1.0 },
                     record: if record { at(0)? } else { 0 },
                 };
-                let (data, data_t, scale_inv) =
-                    crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
-                Ok(Fp8Tensor {
-                    rows,
-                    data,
-                    data_t,
-                    scale_inv,
-                    format,
-                })
+                quantize_cuda(x, format, transpose, rows_pad, scale)
             }
         }
     }
