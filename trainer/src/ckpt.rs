@@ -311,6 +311,12 @@ pub mod fp8_amax {
             if b.is_empty() {
                 continue;
             }
+            if b.len() < 4 {
+                bail!(
+                    "rank {r}'s FP8 amax history of the {name} is {} bytes, too short",
+                    b.len()
+                );
+            }
             let width = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as usize;
             let roles = (b.len() - 4) / (4 * width + 1);
             if b.len() != 4 + roles * (4 * width + 1) {
