@@ -102,8 +102,8 @@ __device__ __forceinline__ unsigned int gather4(unsigned int a, unsigned int b, 
 // read), divided by 2^margin (scale_mul = 2^-margin, exact). record, when not null, is an f32
 // amax (its bits, an unsigned int) raised by atomicMax to this tensor's amax: with current
 // scaling block (0, 0) raises it to the amax it scaled by; with delayed scaling every block to its
-// tile's max |x| (every warp to its share's, without a transpose; NaNs ignored, as fmaxf does).
-// Non-negative floats order as their bits, so the result is the max whatever the order.
+// tile's max |x| (NaNs ignored, as fmaxf does). Non-negative floats order as their bits, so the
+// result is the max whatever the blocks' order.
 //
 // Block (256) over a 64 x 128 tile, grid (ceil(cols / 128), ceil(rows / 64)). The load: 16
 // threads a row, 8 values (16 bytes) each, four rows in flight per thread; the row-major store,
@@ -154,21 +154,13 @@ vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int
         }
     }
     // Delayed scaling's record: this tile's max |x| (the zeros of the rows and columns past the
-    // tensor do not move it), a warp's max by shuffles here, no barrier: with a transpose the
-    // block's barrier below lets thread 0 raise the record once for the block; without one, each
-    // warp raises it. The condition is the same in every thread of the block.
-    __shared__ float warp_max[8];
-    const bool rec_tiles = amax_in != nullptr && record != nullptr;
-    if (rec_tiles) {
+    // tensor do not move it). The condition is the same in every thread of the block.
+    if (amax_in != nullptr && record != nullptr) {
         float m = 0.f;
 #pragma unroll
         for (int p = 0; p < 4; ++p) m = fmaxf(m, absmax8(u[p]));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-        if ((threadIdx.x & 31) == 0) {
-            if (out_t == nullptr) atomicMax(record, __float_as_uint(m));
-            else warp_max[threadIdx.x >> 5] = m;
-        }
+        m = block_max(m);
+        if (threadIdx.x == 0) atomicMax(record, __float_as_uint(m));
     }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
@@ -187,11 +179,6 @@ vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int
     }
     if (out_t == nullptr) return;
     __syncthreads();
-    if (rec_tiles && threadIdx.x == 0) {
-        float m = 0.f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, warp_max[w]);
-        atomicMax(record, __float_as_uint(m));
-    }
     const int g = threadIdx.x & 7, qd = threadIdx.x >> 3;
     const int rr = r0 + 8 * g;
     if (rr >= rows) return;

@@ -6,9 +6,8 @@
 // - Current scaling: vime_fp8_amax's partials, then vime_fp8_cast reducing them; with a record
 //   pointer, block (0, 0) raises it to the amax.
 // - Delayed scaling (--fp8-recipe delayed): the cast scales by *amax_in x 2^-margin without reading
-//   partials, and raises the record to the max |x| of its tiles (every block, or every warp
-//   without a transpose; atomicMax), with an
-//   amax_in below the tensor's (saturation) and above it; without a record too.
+//   partials, and raises the record to the max |x| of its tiles by atomicMax, with and without a
+//   transpose, with an amax_in below the tensor's (saturation) and above it; without a record too.
 // - Shapes: 16-byte rows (the vector path), an odd width (the scalar path), rows that do not fill
 //   the 64-row tiles, padded transposes (ld_t > rows), a misaligned input; E4M3 and E5M2.
 // - vime_fp8_amax_commit over slots with a mask: the history moves, pending becomes h_0 and 0,
@@ -129,7 +128,7 @@ int main() {
     run_case(c++, 70, 37, 1e-3f, 0, true, true, 1.7f, 0.5f, true);
     run_case(c++, 33, 40, 1.f, 1, false, true, 0.8f, 0.25f, true);
     run_case(c++, 130, 256, 2.f, 0, true, true, 1.2f, 1.f, false);
-    // Without a transpose (a forward that keeps nothing): each warp raises the record.
+    // Without a transpose (a forward that keeps nothing).
     run_case(c++, 130, 256, 2.f, 0, false, true, 0.7f, 1.f, true, false);
     run_case(c++, 33, 40, 1.f, 1, true, true, 1.3f, 0.5f, true, false);
     for (int n : {1, 3})
