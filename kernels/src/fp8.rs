@@ -710,6 +710,16 @@ mod tests {
         assert!(quantize(&v, Fp8Format::E4M3, false).is_err());
     }
 
+    /// A tensor's values as f32, flat.
+    fn vals(t: &Tensor) -> Vec<f32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    }
+
     #[test]
     fn amax_history_seeds_records_commits_and_scales_by_its_rule() {
         let dev = Device::Cpu;
@@ -752,14 +762,7 @@ mod tests {
             // Seeded: the scale is fp8_max / 6 / 2^2, whatever the tensor's own amax (2 here).
             let q = h.quantize(0, &t(2.0), Fp8Format::E4M3, false, 1, true).unwrap();
             assert_eq!(sinv(&q), 1.0 / (448.0 / 6.0 / 4.0));
-            let d = q.dequantize().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            let x = t(2.0)
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let (d, x) = (vals(&q.dequantize().unwrap()), vals(&t(2.0)));
             let s = 448.0f32 / 6.0 / 4.0;
             for (a, b) in x.iter().zip(&d) {
                 assert_eq!(*b, Fp8Format::E4M3.to_f32(Fp8Format::E4M3.from_f32(a * s)) * sinv(&q));
@@ -767,8 +770,7 @@ mod tests {
             h.commit().unwrap();
             // A tensor larger than the scale allows saturates at fp8_max (times scale_inv).
             let q = h.quantize(0, &t(100.0), Fp8Format::E4M3, false, 1, true).unwrap();
-            let d = q.dequantize().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert_eq!(d[5], -448.0 * sinv(&q), "saturated");
+            assert_eq!(vals(&q.dequantize().unwrap())[5], -448.0 * sinv(&q), "saturated");
             h.commit().unwrap();
             h.quantize(0, &t(1.0), Fp8Format::E4M3, false, 1, true).unwrap();
             h.commit().unwrap();
