@@ -509,7 +509,7 @@ impl AmaxHistory {
         if !self.recorded.iter().any(|&r| r) {
             return Ok(());
         }
-        let (width, n, use_max) = (self.width(), self.cfg.history_len, self.cfg.use_max);
+        let (width, use_max) = (self.width(), self.cfg.use_max);
         match &mut self.rows {
             Rows::Host(h) => {
                 for (s, _) in self.recorded.iter().enumerate().filter(|(_, &r)| r) {
@@ -527,10 +527,9 @@ impl AmaxHistory {
             #[cfg(feature = "cuda")]
             Rows::Device(h) => {
                 let mask: Vec<u8> = self.recorded.iter().map(|&r| u8::from(r)).collect();
-                crate::cuda::fp8_amax_commit(h, &mask, n, use_max)?;
+                crate::cuda::fp8_amax_commit(h, &mask, self.cfg.history_len, use_max)?;
             }
         }
-        let _ = n;
         for (s, r) in self.seeded.iter_mut().zip(self.recorded.iter_mut()) {
             *s |= std::mem::take(r);
         }
@@ -712,12 +711,7 @@ mod tests {
 
     /// A tensor's values as f32, flat.
     fn vals(t: &Tensor) -> Vec<f32> {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
+        crate::testing::f32_values(t).unwrap()
     }
 
     #[test]

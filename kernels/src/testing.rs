@@ -81,6 +81,11 @@ pub fn finite_diff_grads(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tens
 }
 
 /// `max|a - b| / max|b|` (norm-wise relative error; `b` is the reference).
+/// A tensor's values as f32, flat (any dtype that widens to f32 exactly: bf16, f16, f32).
+pub fn f32_values(t: &Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
 pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     if a.dims() != b.dims() {
         candle_core::bail!("rel_err: shapes differ, {:?} vs {:?}", a.dims(), b.dims());

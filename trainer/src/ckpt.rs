@@ -275,6 +275,7 @@ pub fn load_step(root: &Path, step: u64, device: &Device) -> Result<Loaded> {
 /// `fp8_amax_seeded.<model>.rank<r>` (u8 `[roles]`). Per rank, because each rank's activations
 /// and gradients are its own (data, context and tensor parallelism).
 pub mod fp8_amax {
+    use crate::train::parallel::{decode_scores, encode_scores};
     use anyhow::{bail, Context, Result};
     use candle_core::{DType, Device, Tensor};
     use std::collections::BTreeMap;
@@ -288,50 +289,34 @@ pub mod fp8_amax {
         )
     }
 
-    /// A state as bytes: empty for none, else the row width (u32 LE), the rows (f32 LE), then
-    /// a byte a role.
-    fn to_bytes(s: Option<&Fp8AmaxState>) -> Vec<u8> {
-        let Some(s) = s else { return Vec::new() };
-        let width = (2 + s.config.history_len) as u32;
-        let mut b = width.to_le_bytes().to_vec();
-        b.extend(s.rows.iter().flat_map(|v| v.to_le_bytes()));
-        b.extend(s.seeded.iter().map(|&x| u8::from(x)));
-        b
-    }
-
     /// Every rank's state of `model` (this process's `m`) gathered over `world`, as the extra
-    /// tensors rank 0 writes. Every rank calls it. Nothing for a model without a history.
+    /// tensors rank 0 writes. Every rank calls it. Nothing for a rank without a history. On the
+    /// wire a state is two f32 vectors (`encode_scores`): the rows, and 1 or 0 a role for seeded.
     pub fn gather(world: &dyn Collectives, name: &str, m: &Qwen3) -> Result<BTreeMap<String, Tensor>> {
-        let state = m.fp8_amax_state()?;
+        let mine = match m.fp8_amax_state()? {
+            Some(s) => encode_scores(&[s.rows, s.seeded.iter().map(|&x| f32::from(u8::from(x))).collect()]),
+            None => Vec::new(),
+        };
         let all = world
-            .all_gather_bytes(&to_bytes(state.as_ref()))
+            .all_gather_bytes(&mine)
             .with_context(|| format!("gathering the ranks' FP8 amax histories of the {name}"))?;
         let mut out = BTreeMap::new();
         for (r, b) in all.iter().enumerate() {
-            if b.is_empty() {
-                continue;
+            let bad = || format!("rank {r}'s FP8 amax history of the {name}");
+            let vs = decode_scores(b).with_context(bad)?;
+            let [rows, seeded] = match <[Vec<f32>; 2]>::try_from(vs) {
+                Ok(v) => v,
+                Err(vs) if vs.is_empty() => continue,
+                Err(vs) => bail!("{}: {} vectors, not 2 (rows, seeded)", bad(), vs.len()),
+            };
+            let roles = seeded.len();
+            if roles == 0 || rows.len() % roles != 0 {
+                bail!("{}: {} values for {roles} roles", bad(), rows.len());
             }
-            if b.len() < 4 {
-                bail!(
-                    "rank {r}'s FP8 amax history of the {name} is {} bytes, too short",
-                    b.len()
-                );
-            }
-            let width = u32::from_le_bytes(b[..4].try_into().expect("4 bytes")) as usize;
-            let roles = (b.len() - 4) / (4 * width + 1);
-            if b.len() != 4 + roles * (4 * width + 1) {
-                bail!(
-                    "rank {r}'s FP8 amax history of the {name} is {} bytes, not whole rows",
-                    b.len()
-                );
-            }
-            let rows: Vec<f32> = b[4..4 + 4 * roles * width]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                .collect();
-            let seeded = b[4 + 4 * roles * width..].to_vec();
             let (hk, sk) = keys(name, r);
+            let width = rows.len() / roles;
             out.insert(hk, Tensor::from_vec(rows, (roles, width), &Device::Cpu)?);
+            let seeded: Vec<u8> = seeded.iter().map(|&x| u8::from(x != 0.0)).collect();
             out.insert(sk, Tensor::from_vec(seeded, roles, &Device::Cpu)?);
         }
         Ok(out)

@@ -252,15 +252,7 @@ impl BlockCtx {
         let Some(cfg) = self.kernels.fp8_delayed() else {
             return fp8_quantized(t, format, transpose, FP8_ROWS);
         };
-        if t.dtype() != candle_core::DType::BF16 {
-            bail!(
-                "--fp8-format runs on bf16 models (--dtype bf16); this one is {:?}",
-                t.dtype()
-            );
-        }
-        if layer >= self.layers {
-            bail!("fp8: layer {layer} of a model of {} layers", self.layers);
-        }
+        bf16_model(t)?;
         let mut g = self.fp8_amax.lock();
         if !g
             .as_ref()
@@ -485,13 +477,19 @@ pub(crate) struct SavedFp8 {
 const FP8_ROWS: usize = 16;
 
 fn fp8_quantized(t: &Tensor, format: Fp8Format, transpose: bool, rows: usize) -> Result<Fp8Tensor> {
+    bf16_model(t)?;
+    Ok(fp8::quantize_padded(t, format, transpose, rows)?)
+}
+
+/// FP8 quantizes bf16 tensors: for any other dtype, an error naming the flag.
+fn bf16_model(t: &Tensor) -> Result<()> {
     if t.dtype() != candle_core::DType::BF16 {
         bail!(
             "--fp8-format runs on bf16 models (--dtype bf16); this one is {:?}",
             t.dtype()
         );
     }
-    Ok(fp8::quantize_padded(t, format, transpose, rows)?)
+    Ok(())
 }
 
 /// `x · W^T (+ b)`: in FP8 from `xq`, the input already quantized (E4M3 weight; fast

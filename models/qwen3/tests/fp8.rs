@@ -67,12 +67,7 @@ fn total_err(got: &BTreeMap<String, Tensor>, want: &BTreeMap<String, Tensor>) ->
 
 /// A tensor's values as f32, to compare bit for bit.
 fn bits(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
+    vime_kernels::testing::f32_values(t).unwrap()
 }
 
 /// Two micro-batches of one step.

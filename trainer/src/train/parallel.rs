@@ -244,8 +244,9 @@ pub fn score_split(
         .collect()
 }
 
-/// Per sample: its value count (u64) then its values' f32 bits, little-endian.
-fn encode_scores(values: &[Vec<f32>]) -> Vec<u8> {
+/// Per sample (or any list of f32 vectors): its value count (u64) then its values' f32 bits,
+/// little-endian.
+pub(crate) fn encode_scores(values: &[Vec<f32>]) -> Vec<u8> {
     let mut out = Vec::with_capacity(values.iter().map(|v| 8 + 4 * v.len()).sum());
     for v in values {
         out.extend_from_slice(&(v.len() as u64).to_le_bytes());
@@ -256,7 +257,7 @@ fn encode_scores(values: &[Vec<f32>]) -> Vec<u8> {
     out
 }
 
-fn decode_scores(mut b: &[u8]) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn decode_scores(mut b: &[u8]) -> Result<Vec<Vec<f32>>> {
     let mut out = Vec::new();
     while !b.is_empty() {
         let Some((len, rest)) = b.split_first_chunk::<8>() else {
