@@ -11,6 +11,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "swiglu.cuh"
+
 typedef __nv_bfloat16 bf16;
 
 #define FULL_MASK 0xffffffffu
@@ -498,18 +500,9 @@ extern "C" __global__ void vime_rope(const bf16* __restrict__ x, bf16* __restric
 // SwiGLU: y = silu(g) * u, silu(g) = g * sigmoid(g). Backward, packed [d_gate ++ d_up]:
 //   d_gate = gy * u * sig * (1 + g * (1 - sig)),  d_up = gy * silu(g)
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ float sigmoidf_(float g) { return 1.f / (1.f + expf(-g)); }
-
 // 8 bf16 per 16-byte access when every pointer is 16-byte aligned and n % 8 == 0 (the usual case:
-// whole tensors); element by element otherwise. The math is the same either way.
-
-__device__ __forceinline__ float swiglu_f(float g, float u) { return g * sigmoidf_(g) * u; }
-
-__device__ __forceinline__ void swiglu_b(float g, float u, float o, float& dg, float& du) {
-    const float sg = sigmoidf_(g);
-    dg = o * u * sg * (1.f + g * (1.f - sg));
-    du = o * g * sg;
-}
+// whole tensors); element by element otherwise. The math is the same either way, and it is
+// swiglu.cuh's (fp8.cu's fused casts compute it too).
 
 extern "C" __global__ void vime_swiglu_fwd(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                            bf16* __restrict__ y, size_t n) {

@@ -117,6 +117,102 @@ static void commit_case(int c, int n_hist, bool use_max) {
     std::printf("commit case %d: history %d, %s\n", c, n_hist, use_max ? "max" : "most recent");
 }
 
+// The fused SwiGLU casts against their two-kernel references: y = bf16(swiglu(g, u)) (swiglu.cuh,
+// the arithmetic vime_swiglu_fwd runs) then vime_fp8_cast of y; (dg, du) = bf16(swiglu'(g, u; dy))
+// then vime_fp8_cast of each. Bit for bit: the FP8 rows, the transposes (padding untouched),
+// scale_inv and the records. g, u and dy at `offset` elements into their buffers (misaligned:
+// the scalar loads); an outlier in the last column's tile, fourth load of the last warp.
+static void swiglu_case(int c, int rows, int cols, int offset, bool e5m2, float rel, float scale_mul, bool record,
+                        bool transpose) {
+    const size_t n = (size_t)rows * cols;
+    std::vector<bf16> gb(n + offset + 8), ub(n + offset + 8), ob(n + offset + 8);
+    bf16 *g = gb.data() + offset, *u = ub.data() + offset, *o = ob.data() + offset;
+    const size_t hot = (size_t)std::min(rows - 1, 127) * cols + cols - 1;
+    for (size_t i = 0; i < n; ++i) {
+        g[i] = __float2bfloat16(i == hot ? 3.f : rng.sym(4.f));
+        u[i] = __float2bfloat16(i == hot ? -9.f : rng.sym(2.f));
+        o[i] = __float2bfloat16(i == hot ? 7.f : rng.sym(0.01f));
+    }
+    // The bf16 tensors the separate kernels write.
+    std::vector<bf16> y(n), dg(n), du(n);
+    float ay = 0.f, ag = 0.f, au = 0.f;
+    for (size_t i = 0; i < n; ++i) {
+        const float gf = __bfloat162float(g[i]), uf = __bfloat162float(u[i]), of = __bfloat162float(o[i]);
+        y[i] = __float2bfloat16(swiglu_f(gf, uf));
+        float a, b;
+        swiglu_b(gf, uf, of, a, b);
+        dg[i] = __float2bfloat16(a);
+        du[i] = __float2bfloat16(b);
+        ay = fmaxf(ay, fabsf(__bfloat162float(y[i])));
+        ag = fmaxf(ag, fabsf(__bfloat162float(dg[i])));
+        au = fmaxf(au, fabsf(__bfloat162float(du[i])));
+    }
+    const int ld_t = (rows + 15) / 16 * 16;
+    const dim3 grid((cols + 127) / 128, (rows + 63) / 64);
+    struct Out {
+        std::vector<unsigned char> q, qt;
+        float sinv = -1.f;
+        unsigned rec = 0;
+    };
+    auto fresh = [&](bool with_t) {
+        Out r;
+        r.q.assign(n, 0xAA);
+        r.qt.assign((size_t)cols * ld_t, 0);
+        r.rec = record ? 0u : 0xdeadbeefu;
+        (void)with_t;
+        return r;
+    };
+    // The reference: vime_fp8_cast of a bf16 tensor under delayed scaling by amax_in.
+    auto cast = [&](const bf16* x, float amax_in, bool with_t) {
+        Out r = fresh(with_t);
+        unsigned part = 0;
+        sim::launch(grid, dim3(256), [&] {
+            vime_fp8_cast(x, rows, cols, &part, 1, &amax_in, scale_mul, record ? &r.rec : nullptr, &r.sinv, r.q.data(),
+                          with_t ? r.qt.data() : nullptr, ld_t, e5m2 ? 1 : 0);
+        });
+        return r;
+    };
+    auto same = [&](const Out& a, const Out& b, const char* what) {
+        char msg[96];
+        std::snprintf(msg, sizeof msg, "%s: rows", what);
+        expect(a.q == b.q, msg, c);
+        std::snprintf(msg, sizeof msg, "%s: transpose", what);
+        expect(a.qt == b.qt, msg, c);
+        std::snprintf(msg, sizeof msg, "%s: scale_inv", what);
+        expect(a.sinv == b.sinv && a.sinv > 0.f, msg, c);
+        std::snprintf(msg, sizeof msg, "%s: record", what);
+        expect(a.rec == b.rec, msg, c);
+    };
+    // Forward.
+    const float in_y = ay * rel;
+    const Out ref_y = cast(y.data(), in_y, transpose);
+    Out got_y = fresh(transpose);
+    sim::launch(grid, dim3(256), [&] {
+        vime_fp8_swiglu_cast(g, u, rows, cols, &in_y, scale_mul, record ? &got_y.rec : nullptr, &got_y.sinv,
+                             got_y.q.data(), transpose ? got_y.qt.data() : nullptr, ld_t, e5m2 ? 1 : 0);
+    });
+    same(got_y, ref_y, "swiglu cast");
+    if (record) expect(got_y.rec == __float_as_uint(ay), "swiglu record = max |y|", c);
+    // Backward (always with transposes: the weight gradients read them).
+    const float in_g = ag * rel, in_u = au * rel * 0.5f;
+    const Out ref_g = cast(dg.data(), in_g, true), ref_u = cast(du.data(), in_u, true);
+    Out got_g = fresh(true), got_u = fresh(true);
+    sim::launch(grid, dim3(256), [&] {
+        vime_fp8_swiglu_bwd_cast(g, u, o, rows, cols, &in_g, &in_u, scale_mul, record ? &got_g.rec : nullptr,
+                                 record ? &got_u.rec : nullptr, &got_g.sinv, &got_u.sinv, got_g.q.data(),
+                                 got_g.qt.data(), got_u.q.data(), got_u.qt.data(), ld_t, e5m2 ? 1 : 0);
+    });
+    same(got_g, ref_g, "swiglu bwd cast d_gate");
+    same(got_u, ref_u, "swiglu bwd cast d_up");
+    if (record) {
+        expect(got_g.rec == __float_as_uint(ag), "d_gate record = max |d_gate|", c);
+        expect(got_u.rec == __float_as_uint(au), "d_up record = max |d_up|", c);
+    }
+    std::printf("swiglu case %d: [%d, %d] +%d %s rel %.2g mul %.2g%s%s: max |y| %.4g |dg| %.4g |du| %.4g\n", c, rows,
+                cols, offset, e5m2 ? "E5M2" : "E4M3", rel, scale_mul, record ? " +record" : "",
+                transpose ? "" : " (forward without transpose)", ay, ag, au);
+}
+
 int main() {
     int c = 0;
     // Current scaling, with and without a record.
@@ -131,6 +227,12 @@ int main() {
     // Without a transpose (a forward that keeps nothing).
     run_case(c++, 130, 256, 2.f, 0, false, true, 0.7f, 1.f, true, false);
     run_case(c++, 33, 40, 1.f, 1, true, true, 1.3f, 0.5f, true, false);
+    // The fused SwiGLU casts: vector and scalar paths, partial tiles, saturation (rel < 1), margin.
+    swiglu_case(c++, 130, 256, 0, false, 1.3f, 1.f, true, true);
+    swiglu_case(c++, 130, 256, 0, true, 0.3f, 0.5f, true, true);
+    swiglu_case(c++, 70, 37, 0, false, 0.8f, 1.f, true, false);
+    swiglu_case(c++, 33, 40, 1, true, 1.1f, 0.25f, false, true);
+    swiglu_case(c++, 200, 136, 3, false, 2.f, 1.f, true, true);
     for (int n : {1, 3})
         for (bool m : {false, true}) commit_case(c++, n, m);
     std::printf("FP8 CAST: %s\n", bad ? "FAIL" : "PASS");

@@ -11,7 +11,8 @@ base=${1:-main}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 git -C "$root" show "$base:kernels/cuda/ops.cu" >"$tmp/ops_base.cu"
-flags=(-std=c++17 -O1 -ffp-contract=off -I"$here/include" -I"$here" -Wno-unknown-pragmas)
+# -I kernels/cuda: a base ops.cu copied to $tmp still finds the headers it includes (swiglu.cuh).
+flags=(-std=c++17 -O1 -ffp-contract=off -I"$here/include" -I"$here" -I"$root/kernels/cuda" -Wno-unknown-pragmas)
 g++ "${flags[@]}" "$here/selftest.cpp" -o "$tmp/selftest"
 g++ "${flags[@]}" -DOPS_CU="\"$tmp/ops_base.cu\"" "$here/check_ops.cpp" -o "$tmp/base"
 g++ "${flags[@]}" -DOPS_CU="\"$root/kernels/cuda/ops.cu\"" "$here/check_ops.cpp" -o "$tmp/head"

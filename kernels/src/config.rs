@@ -146,6 +146,10 @@ pub struct KernelConfig {
     /// from amax histories (`crate::fp8::AmaxHistory`) instead of their own amax; the weights
     /// keep current scaling. `None`: current scaling everywhere (tensorwise).
     fp8_delayed: Option<crate::fp8::DelayedScaling>,
+    /// Under delayed scaling on CUDA, SwiGLU's output and input gradients are computed by their
+    /// FP8 casts and never written in bf16 (the same bits). Off only to time the two-kernel path
+    /// against it (`vime-train bench-step --fp8-swiglu-cast separate`).
+    fp8_fused_swiglu: bool,
     /// The most bytes of logits (f32, or bf16 under `HeadLogits::Bf16`) the LM head's training
     /// forward on CUDA keeps for its backward (which otherwise runs the logits GEMM again: the
     /// same bits either way). `None`: 1/16 of the device's memory (8.9 GB on an H200: 14.6k
@@ -181,6 +185,7 @@ impl KernelConfig {
             decode_kernel: DecodeKernel::default(),
             fp8: false,
             fp8_delayed: None,
+            fp8_fused_swiglu: true,
             head_logits_max_bytes: None,
             head_logits: HeadLogits::Fp32,
             cudnn_off: Arc::default(),
@@ -246,6 +251,16 @@ impl KernelConfig {
 
     pub fn fp8_delayed(&self) -> Option<crate::fp8::DelayedScaling> {
         self.fp8_delayed
+    }
+
+    /// This config with SwiGLU fused into its FP8 casts or not (see the field's docs).
+    pub fn with_fp8_fused_swiglu(mut self, on: bool) -> Self {
+        self.fp8_fused_swiglu = on;
+        self
+    }
+
+    pub fn fp8_fused_swiglu(&self) -> bool {
+        self.fp8_fused_swiglu
     }
 
     /// This config with decode attention run by `kernel` on CUDA.

@@ -96,7 +96,9 @@ macro_rules! launch {
 }
 
 mod fp8;
-pub(crate) use fp8::{f32_addr, fp8_amax_commit, fp8_quantize, CastScale};
+pub(crate) use fp8::{
+    f32_addr, fp8_amax_commit, fp8_quantize, fp8_swiglu_backward_quantize, fp8_swiglu_quantize, CastScale, Fp8Parts,
+};
 pub use fp8::{fp8_matmul_t, Fp8Operand, Fp8Plan, Fp8Shape};
 
 /// Device address of a contiguous tensor's first element.

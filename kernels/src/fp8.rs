@@ -85,6 +85,17 @@ pub struct Fp8Tensor {
 }
 
 impl Fp8Tensor {
+    #[cfg(feature = "cuda")]
+    fn from_parts(rows: usize, (data, data_t, scale_inv): crate::cuda::Fp8Parts, format: Fp8Format) -> Self {
+        Self {
+            rows,
+            data,
+            data_t,
+            scale_inv,
+            format,
+        }
+    }
+
     /// The transpose as a tensor of its own (`[cols, rows_pad]`, its rows the columns; read with
     /// [`Side::Rows`]), dropping the bits as quantized: what a weight gradient keeps of a
     /// forward's input, which its forward GEMM has already read.
@@ -303,15 +314,8 @@ fn quantize_cuda(
     rows_pad: usize,
     scale: crate::cuda::CastScale,
 ) -> Result<Fp8Tensor> {
-    let (data, data_t, scale_inv) =
-        crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
-    Ok(Fp8Tensor {
-        rows: x.dim(0)?,
-        data,
-        data_t,
-        scale_inv,
-        format,
-    })
+    let parts = crate::cuda::fp8_quantize(x, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
+    Ok(Fp8Tensor::from_parts(x.dim(0)?, parts, format))
 }
 
 /// The CPU reference of both scalings: the scale from `scale_amax` (delayed) or from `x`'s own
@@ -464,9 +468,7 @@ impl AmaxHistory {
         multiple: usize,
         record: bool,
     ) -> Result<Fp8Tensor> {
-        if slot >= self.slots {
-            bail!("fp8 amax history: role {slot} of {}", self.slots);
-        }
+        self.check_slot(slot)?;
         let rows_pad = padded_rows(x, multiple)?;
         let (seeded, width, mul) = (self.seeded[slot], self.width(), self.cfg.scale_mul());
         self.recorded[slot] |= record;
@@ -501,6 +503,104 @@ impl AmaxHistory {
                 quantize_cuda(x, format, transpose, rows_pad, scale)
             }
         }
+    }
+
+    /// The scale arguments of the CUDA casts for role `slot` under its history (which must be
+    /// seeded), recording into its pending amax when `record`.
+    #[cfg(feature = "cuda")]
+    fn device_scale(&mut self, slot: usize, record: bool) -> Result<crate::cuda::CastScale> {
+        let (width, mul) = (self.width(), self.cfg.scale_mul());
+        self.recorded[slot] |= record;
+        let Rows::Device(h) = &self.rows else {
+            bail!("fp8 amax history: not on a CUDA device");
+        };
+        let at = |i: usize| crate::cuda::f32_addr(h, slot * width + i, "fp8 amax history");
+        Ok(crate::cuda::CastScale {
+            amax_in: at(1)?,
+            scale_mul: mul,
+            record: if record { at(0)? } else { 0 },
+        })
+    }
+
+    /// Whether role `slot`'s casts may run fused on `t`'s device: a CUDA history (on that
+    /// device) that holds the role's amax already.
+    #[cfg(feature = "cuda")]
+    fn fused_ready(&self, slot: usize, t: &Tensor) -> bool {
+        match &self.rows {
+            Rows::Device(h) => self.seeded[slot] && t.device().same_device(h.device()),
+            Rows::Host(_) => false,
+        }
+    }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.slots {
+            bail!("fp8 amax history: role {slot} of {}", self.slots);
+        }
+        Ok(())
+    }
+
+    /// [`Self::quantize`] of `swiglu(gate, up)` ([`crate::swiglu`]) for role `slot`. On CUDA with
+    /// the role's history seeded, one kernel computes SwiGLU as it casts and the bf16 output is
+    /// never written; otherwise SwiGLU, then [`Self::quantize`]. The same bits either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn quantize_swiglu(
+        &mut self,
+        slot: usize,
+        gate: &Tensor,
+        up: &Tensor,
+        format: Fp8Format,
+        transpose: bool,
+        multiple: usize,
+        record: bool,
+    ) -> Result<Fp8Tensor> {
+        self.check_slot(slot)?;
+        #[cfg(feature = "cuda")]
+        if self.fused_ready(slot, gate) {
+            let rows_pad = padded_rows(gate, multiple)?;
+            let scale = self.device_scale(slot, record)?;
+            let parts =
+                crate::cuda::fp8_swiglu_quantize(gate, up, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
+            return Ok(Fp8Tensor::from_parts(gate.dim(0)?, parts, format));
+        }
+        let act = crate::swiglu(gate, up)?;
+        self.quantize(slot, &act, format, transpose, multiple, record)
+    }
+
+    /// SwiGLU's input gradients `(d_gate, d_up)` for the upstream `dy`
+    /// ([`crate::swiglu_backward`]), quantized with their transposes for roles `slots.0` and
+    /// `slots.1`. On CUDA with both histories seeded, one kernel computes the gradients as it
+    /// casts (the bf16 gradients never written); otherwise the backward, then [`Self::quantize`]
+    /// of each. The same bits either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn quantize_swiglu_backward(
+        &mut self,
+        slots: (usize, usize),
+        gate: &Tensor,
+        up: &Tensor,
+        dy: &Tensor,
+        format: Fp8Format,
+        multiple: usize,
+        record: bool,
+    ) -> Result<(Fp8Tensor, Fp8Tensor)> {
+        self.check_slot(slots.0)?;
+        self.check_slot(slots.1)?;
+        #[cfg(feature = "cuda")]
+        if self.fused_ready(slots.0, gate) && self.fused_ready(slots.1, gate) {
+            let rows_pad = padded_rows(gate, multiple)?;
+            let (sg, su) = (self.device_scale(slots.0, record)?, self.device_scale(slots.1, record)?);
+            let (pg, pu) =
+                crate::cuda::fp8_swiglu_backward_quantize(gate, up, dy, format == Fp8Format::E5M2, rows_pad, sg, su)?;
+            let rows = gate.dim(0)?;
+            return Ok((
+                Fp8Tensor::from_parts(rows, pg, format),
+                Fp8Tensor::from_parts(rows, pu, format),
+            ));
+        }
+        let (dg, du) = crate::swiglu_backward(gate, up, dy)?;
+        let qg = self.quantize(slots.0, &dg, format, true, multiple, record)?;
+        drop(dg);
+        let qu = self.quantize(slots.1, &du, format, true, multiple, record)?;
+        Ok((qg, qu))
     }
 
     /// Moves each role recorded since the last commit into its history (see the type's doc);

@@ -2176,6 +2176,86 @@ fn check_fp8_delayed(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) ->
     Ok(())
 }
 
+/// The fused SwiGLU casts of delayed scaling (`vime_fp8_swiglu_cast`, `vime_fp8_swiglu_bwd_cast`,
+/// through `AmaxHistory::quantize_swiglu` / `quantize_swiglu_backward` once the roles are
+/// seeded) against the two-kernel path on the same GPU (`swiglu` / `swiglu_backward`, then
+/// `AmaxHistory::quantize`), bit for bit: the FP8 rows and transposes, `scale_inv`, and the
+/// histories after each commit. Both histories are seeded by the same first micro-batch (which
+/// takes the two-kernel path in both). Shapes: an MLP's [1040, 3072], rows that leave a partial
+/// tile, an odd width (the scalar loads) and a misaligned row view; records on and off.
+fn check_fp8_swiglu_fused(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    use vime_kernels::fp8::{AmaxHistory, DelayedScaling, Fp8Format, Fp8Tensor};
+    let cfg = DelayedScaling {
+        history_len: 2,
+        use_max: true,
+        margin: 1,
+    };
+    let (mut fused, mut plain) = (AmaxHistory::new(cfg, 3, gpu)?, AmaxHistory::new(cfg, 3, gpu)?);
+    let bits = |t: &Tensor| -> Result<Vec<u8>> { Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?) };
+    let same = |a: &Fp8Tensor, b: &Fp8Tensor| -> Result<bool> {
+        let t = match (&a.data_t, &b.data_t) {
+            (Some(x), Some(y)) => bits(x)? == bits(y)?,
+            (None, None) => true,
+            _ => false,
+        };
+        let s =
+            |q: &Fp8Tensor| -> Result<u32> { Ok(q.scale_inv.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0].to_bits()) };
+        Ok(t && bits(&a.data)? == bits(&b.data)? && s(a)? == s(b)? && a.rows == b.rows)
+    };
+    // (rows, cols, row offset of a view, record, forward transpose)
+    let steps: [(usize, usize, usize, bool, bool); 6] = [
+        (1040, 3072, 0, true, true),
+        (1040, 3072, 0, true, true),
+        (70, 40, 0, false, false),
+        (33, 37, 1, true, true),
+        (517, 3072, 0, true, true),
+        (1040, 3072, 0, false, true),
+    ];
+    let (mut all, mut worst) = (true, String::new());
+    for (i, &(rows, cols, off, record, tr)) in steps.iter().enumerate() {
+        let make = |scale: f64, rng: &mut Rng| -> Result<Tensor> {
+            let t = (rng.randn(&[rows + off, cols], 1.0, DType::F32, &Device::Cpu)? * scale)?.to_dtype(DType::BF16)?;
+            Ok(t.to_device(gpu)?.narrow(0, off, rows)?)
+        };
+        let (g, u, dy) = (make(2.0, rng)?, make(1.0, rng)?, make(1e-3 * (1 + i) as f64, rng)?);
+        let a = fused.quantize_swiglu(0, &g, &u, Fp8Format::E4M3, tr, 16, record)?;
+        let act = vime_kernels::swiglu(&g, &u)?;
+        let b = plain.quantize(0, &act, Fp8Format::E4M3, tr, 16, record)?;
+        let (ag, au) = fused.quantize_swiglu_backward((1, 2), &g, &u, &dy, Fp8Format::E5M2, 16, record)?;
+        let (dg, du) = vime_kernels::swiglu_backward(&g, &u, &dy)?;
+        let (bg, bu) = (
+            plain.quantize(1, &dg, Fp8Format::E5M2, true, 16, record)?,
+            plain.quantize(2, &du, Fp8Format::E5M2, true, 16, record)?,
+        );
+        fused.commit()?;
+        plain.commit()?;
+        let (hf, hp) = (fused.to_host()?, plain.to_host()?);
+        let hist = hf.0.iter().map(|v| v.to_bits()).eq(hp.0.iter().map(|v| v.to_bits())) && hf.1 == hp.1;
+        let (fwd, dgate, dup) = (same(&a, &b)?, same(&ag, &bg)?, same(&au, &bu)?);
+        if !(fwd && dgate && dup && hist) {
+            all = false;
+            worst = format!(
+                "micro-batch {i} [{rows}, {cols}] +{off}: forward {fwd}, d_gate {dgate}, d_up {dup}, histories {hist} ({:?} vs {:?})",
+                &hf.0[..4],
+                &hp.0[..4]
+            );
+            break;
+        }
+    }
+    report(
+        failures,
+        "fp8 fused swiglu casts",
+        "6 micro-batches, history 2 max, margin 1",
+        &if all {
+            "bits, transposes, scales and histories equal to swiglu + cast".to_string()
+        } else {
+            worst
+        },
+        all,
+    );
+    Ok(())
+}
+
 fn check_fp8(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
     use vime_kernels::cuda::{fp8_matmul_t, Fp8Operand};
     use vime_kernels::fp8::{quantize, quantize_padded, Fp8Format, Fp8Tensor};
@@ -2293,6 +2373,7 @@ fn fp8_on_cuda_matches_the_cpu() -> Result<()> {
     let mut failures = Vec::new();
     check_fp8(&gpu, &mut rng, &mut failures)?;
     check_fp8_delayed(&gpu, &mut rng, &mut failures)?;
+    check_fp8_swiglu_fused(&gpu, &mut rng, &mut failures)?;
     println!("FP8 VERDICT: {}", if failures.is_empty() { "PASS" } else { "FAIL" });
     assert!(failures.is_empty(), "{failures:?}");
     Ok(())

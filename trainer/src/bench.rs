@@ -79,6 +79,11 @@ pub struct BenchArgs {
     /// gradient), to measure what it costs.
     #[arg(long, default_value = "off")]
     pub nan_guard: String,
+    /// Under `--fp8-recipe delayed` on CUDA: fused (SwiGLU's output and input gradients computed
+    /// by their FP8 casts, never written in bf16; the trainer's path) or separate (the SwiGLU
+    /// kernels, then the casts: the same bits), to measure what the fusion saves.
+    #[arg(long, default_value = "fused")]
+    pub fp8_swiglu_cast: String,
     /// The objective gets `- entropy_coef * mean(entropy)` besides `- mean(logprob)`, as
     /// `vime-train --entropy-coef` adds to the policy loss: what the entropy term's gradient
     /// through the LM head costs a step (0: the log-probs alone).
@@ -311,7 +316,14 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         args.deterministic_mode,
         vime_kernels::CudnnFailure::Fallback,
     )?;
-    let kernels = args.head.apply(args.fp8.apply(kernels)?)?;
+    let fused_swiglu = match args.fp8_swiglu_cast.as_str() {
+        "fused" => true,
+        "separate" => false,
+        other => bail!("--fp8-swiglu-cast {other:?}: expected fused or separate"),
+    };
+    let kernels = args
+        .head
+        .apply(args.fp8.apply(kernels)?.with_fp8_fused_swiglu(fused_swiglu))?;
     let device = parse_device(&args.device)?;
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
@@ -532,6 +544,7 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
             ),
             _ => format!("{f} {}", args.fp8.fp8_recipe),
         }),
+        "fp8_swiglu_cast": args.fp8.delayed().ok().flatten().map(|_| args.fp8_swiglu_cast.clone()),
         "lm_head_logits": args.head.lm_head_logits,
         "cudnn_graphs": graphs,
         "cudnn_graph_build_s": build_s,
@@ -740,6 +753,7 @@ mod tests {
             layers: None,
             compare_backward: false,
             nan_guard: "fused".into(),
+            fp8_swiglu_cast: "fused".into(),
             entropy_coef: 0.0,
             attention_backend: "auto".into(),
             deterministic_mode: false,

@@ -56,6 +56,75 @@ pub(crate) fn f32_addr(t: &Tensor, i: usize, what: &str) -> Result<u64> {
     Ok(tensor_addr::<f32>(t, what)? + 4 * i as u64)
 }
 
+/// One cast's outputs: the FP8 rows `[rows_pad, cols]`, the transpose `[cols, rows_pad]` if asked,
+/// and `scale_inv` f32 `[1]`. The rows past `rows` read as zeros.
+struct CastBufs {
+    out: CudaSlice<u8>,
+    out_t: Option<CudaSlice<u8>>,
+    sinv: CudaSlice<f32>,
+    rows_pad: usize,
+    cols: usize,
+}
+
+/// An FP8 tensor's bits, its transpose if any, and its `scale_inv`.
+pub(crate) type Fp8Parts = (Tensor, Option<Tensor>, Tensor);
+
+impl CastBufs {
+    fn new(dev: &CudaDevice, rows: usize, cols: usize, rows_pad: usize, transpose: bool) -> Result<Self> {
+        // Padding rows must read as zeros; without padding every byte is written.
+        let buf = |len: usize| -> Result<CudaSlice<u8>> {
+            if rows_pad > rows {
+                dev.alloc_zeros::<u8>(len.max(1))
+            } else {
+                unsafe { dev.alloc::<u8>(len.max(1)) }
+            }
+        };
+        Ok(Self {
+            out: buf(rows_pad * cols)?,
+            out_t: if transpose { Some(buf(rows_pad * cols)?) } else { None },
+            sinv: unsafe { dev.alloc::<f32>(1) }?,
+            rows_pad,
+            cols,
+        })
+    }
+
+    /// Device addresses of the rows, the transpose (0: none) and `scale_inv`.
+    fn addrs(&self, dev: &CudaDevice) -> (u64, u64, u64) {
+        (
+            super::slice_addr(&self.out, dev),
+            self.out_t.as_ref().map(|t| super::slice_addr(t, dev)).unwrap_or(0),
+            super::slice_addr(&self.sinv, dev),
+        )
+    }
+
+    fn into_parts(self, dev: &CudaDevice) -> Fp8Parts {
+        let (r, c) = (self.rows_pad, self.cols);
+        (
+            device_tensor(self.out, dev, (r, c)),
+            self.out_t.map(|t| device_tensor(t, dev, (c, r))),
+            device_tensor(self.sinv, dev, 1),
+        )
+    }
+}
+
+/// The cast kernels' grid: a 256-thread block a 64 x 128 tile.
+fn cast_grid(rows: usize, cols: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (cols.div_ceil(128).max(1) as u32, rows.div_ceil(64).max(1) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The kernels' `rows`, `cols` and padded-rows arguments, each checked to fit an i32.
+fn cast_dims(what: &str, rows: usize, cols: usize, rows_pad: usize) -> Result<(i32, i32, i32)> {
+    Ok((
+        i32_of(what, "rows", rows)?,
+        i32_of(what, "cols", cols)?,
+        i32_of(what, "padded rows", rows_pad)?,
+    ))
+}
+
 /// bf16 `x [rows, cols]` -> (FP8 bits `[rows_pad, cols]`, the transpose `[cols, rows_pad]` if
 /// asked, `scale_inv` f32 `[1]`), the rows past `rows` zero; see [`crate::fp8`]. No host sync.
 /// Current scaling: two launches, the amax reduction and the cast, which reads the amax on the
@@ -66,17 +135,13 @@ pub(crate) fn fp8_quantize(
     transpose: bool,
     rows_pad: usize,
     scale: CastScale,
-) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+) -> Result<Fp8Parts> {
     let (rows, cols) = x.dims2()?;
     let dev = dev_of(x, "fp8 quantize")?;
     let x = x.contiguous()?;
     let xp = tensor_addr::<bf16>(&x, "fp8 quantize x")?;
     let n = rows * cols;
-    let (r_i, c_i, ld_i) = (
-        i32_of("fp8 quantize", "rows", rows)?,
-        i32_of("fp8 quantize", "cols", cols)?,
-        i32_of("fp8 quantize", "padded rows", rows_pad)?,
-    );
+    let (r_i, c_i, ld_i) = cast_dims("fp8 quantize", rows, cols, rows_pad)?;
     // The amax's per-block partials (every one written: no zero-fill); none under delayed
     // scaling.
     let parts = if scale.amax_in == 0 {
@@ -85,47 +150,131 @@ pub(crate) fn fp8_quantize(
         1
     };
     let amax = unsafe { dev.alloc::<u32>(parts) }?;
-    // Padding rows must read as zeros; without padding every byte is written.
-    let buf = |len: usize| -> Result<CudaSlice<u8>> {
-        if rows_pad > rows {
-            dev.alloc_zeros::<u8>(len.max(1))
-        } else {
-            unsafe { dev.alloc::<u8>(len.max(1)) }
-        }
-    };
-    let out = buf(rows_pad * cols)?;
-    let out_t = if transpose { Some(buf(rows_pad * cols)?) } else { None };
-    let sinv = unsafe { dev.alloc::<f32>(1) }?;
-    let (ap, op, sp) = (
-        super::slice_addr(&amax, &dev),
-        super::slice_addr(&out, &dev),
-        super::slice_addr(&sinv, &dev),
-    );
-    let tp = out_t.as_ref().map(|t| super::slice_addr(t, &dev)).unwrap_or(0);
+    let bufs = CastBufs::new(&dev, rows, cols, rows_pad, transpose)?;
+    let ap = super::slice_addr(&amax, &dev);
+    let (op, tp, sp) = bufs.addrs(&dev);
     let n_u = n as u64;
     if scale.amax_in == 0 {
         let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_amax")?;
         launch!(dev, f, super::cfg(parts as u32, 256), [&xp, &n_u, &ap]);
     }
     let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_cast")?;
-    let grid = LaunchConfig {
-        grid_dim: (cols.div_ceil(128).max(1) as u32, rows.div_ceil(64).max(1) as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let (e, np) = (i32::from(e5m2), parts as i32);
     let (ain, mul, rec) = (scale.amax_in, scale.scale_mul, scale.record);
     launch!(
         dev,
         f,
-        grid,
+        cast_grid(rows, cols),
         [&xp, &r_i, &c_i, &ap, &np, &ain, &mul, &rec, &sp, &op, &tp, &ld_i, &e]
     );
-    Ok((
-        device_tensor(out, &dev, (rows_pad, cols)),
-        out_t.map(|t| device_tensor(t, &dev, (cols, rows_pad))),
-        device_tensor(sinv, &dev, 1),
-    ))
+    Ok(bufs.into_parts(&dev))
+}
+
+/// The bf16 SwiGLU operands of a fused cast, contiguous, with their addresses: one `[rows, cols]`
+/// shape for all, else an error naming `what`.
+fn swiglu_operands(what: &str, ts: &[&Tensor]) -> Result<(usize, usize, Vec<Tensor>, Vec<u64>)> {
+    let (rows, cols) = ts[0].dims2()?;
+    let mut owned = Vec::with_capacity(ts.len());
+    let mut addrs = Vec::with_capacity(ts.len());
+    for t in ts {
+        if t.dtype() != DType::BF16 || t.dims() != [rows, cols] {
+            bail!(
+                "{what}: expected bf16 [{rows}, {cols}] operands, got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            );
+        }
+        let t = t.contiguous()?;
+        addrs.push(tensor_addr::<bf16>(&t, what)?);
+        owned.push(t);
+    }
+    Ok((rows, cols, owned, addrs))
+}
+
+/// `swiglu(gate, up)` quantized under delayed scaling in one kernel (`vime_fp8_swiglu_cast`): the
+/// bits of [`crate::swiglu`] then [`fp8_quantize`] with the same `scale`, without the bf16 output.
+/// `scale.amax_in` is required.
+pub(crate) fn fp8_swiglu_quantize(
+    gate: &Tensor,
+    up: &Tensor,
+    e5m2: bool,
+    transpose: bool,
+    rows_pad: usize,
+    scale: CastScale,
+) -> Result<Fp8Parts> {
+    const WHAT: &str = "fp8 swiglu quantize";
+    if scale.amax_in == 0 {
+        bail!("{WHAT}: needs a delayed scale (an amax history)");
+    }
+    let dev = dev_of(gate, WHAT)?;
+    let (rows, cols, _keep, a) = swiglu_operands(WHAT, &[gate, up])?;
+    let (r_i, c_i, ld_i) = cast_dims(WHAT, rows, cols, rows_pad)?;
+    let bufs = CastBufs::new(&dev, rows, cols, rows_pad, transpose)?;
+    let (op, tp, sp) = bufs.addrs(&dev);
+    let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_swiglu_cast")?;
+    let (ain, mul, rec, e) = (scale.amax_in, scale.scale_mul, scale.record, i32::from(e5m2));
+    launch!(
+        dev,
+        f,
+        cast_grid(rows, cols),
+        [&a[0], &a[1], &r_i, &c_i, &ain, &mul, &rec, &sp, &op, &tp, &ld_i, &e]
+    );
+    Ok(bufs.into_parts(&dev))
+}
+
+/// SwiGLU's input gradients `(d_gate, d_up)` for the upstream `dy`, each quantized under delayed
+/// scaling with its transpose, in one kernel (`vime_fp8_swiglu_bwd_cast`): the bits of
+/// [`crate::swiglu_backward`] then [`fp8_quantize`] of each, without the bf16 gradients. Both
+/// scales need `amax_in`; they share `scale_mul`.
+pub(crate) fn fp8_swiglu_backward_quantize(
+    gate: &Tensor,
+    up: &Tensor,
+    dy: &Tensor,
+    e5m2: bool,
+    rows_pad: usize,
+    sg: CastScale,
+    su: CastScale,
+) -> Result<(Fp8Parts, Fp8Parts)> {
+    const WHAT: &str = "fp8 swiglu backward quantize";
+    if sg.amax_in == 0 || su.amax_in == 0 || sg.scale_mul != su.scale_mul {
+        bail!("{WHAT}: needs two delayed scales with one margin");
+    }
+    let dev = dev_of(gate, WHAT)?;
+    let (rows, cols, _keep, a) = swiglu_operands(WHAT, &[gate, up, dy])?;
+    let (r_i, c_i, ld_i) = cast_dims(WHAT, rows, cols, rows_pad)?;
+    let (bg, bu) = (
+        CastBufs::new(&dev, rows, cols, rows_pad, true)?,
+        CastBufs::new(&dev, rows, cols, rows_pad, true)?,
+    );
+    let ((og, tg, sgp), (ou, tu, sup)) = (bg.addrs(&dev), bu.addrs(&dev));
+    let f = super::load(&dev, "vime_fp8", FP8_PTX, "vime_fp8_swiglu_bwd_cast")?;
+    let (mul, e) = (sg.scale_mul, i32::from(e5m2));
+    launch!(
+        dev,
+        f,
+        cast_grid(rows, cols),
+        [
+            &a[0],
+            &a[1],
+            &a[2],
+            &r_i,
+            &c_i,
+            &sg.amax_in,
+            &su.amax_in,
+            &mul,
+            &sg.record,
+            &su.record,
+            &sgp,
+            &sup,
+            &og,
+            &tg,
+            &ou,
+            &tu,
+            &ld_i,
+            &e
+        ]
+    );
+    Ok((bg.into_parts(&dev), bu.into_parts(&dev)))
 }
 
 /// Delayed scaling's history step over `hist` (f32 `[slots, 2 + n_hist]` on the device, see

@@ -249,8 +249,78 @@ impl BlockCtx {
         transpose: bool,
         record: bool,
     ) -> Result<Fp8Tensor> {
+        let slot = layer * FP8_ROLES + role as usize;
+        match self.with_amax_history(t, |h| h.quantize(slot, t, format, transpose, FP8_ROWS, record))? {
+            Some(q) => Ok(q),
+            None => fp8_quantized(t, format, transpose, FP8_ROWS),
+        }
+    }
+
+    /// [`Self::fp8_act`] of `swiglu(gate, up)` in the `Act` role (E4M3). Under delayed scaling
+    /// on CUDA, once the role has a history, SwiGLU is computed by the cast and its bf16 output
+    /// is never written (`KernelConfig::fp8_fused_swiglu`); the same bits either way.
+    fn fp8_swiglu(&self, layer: usize, gate: &Tensor, up: &Tensor, transpose: bool, record: bool) -> Result<Fp8Tensor> {
+        if self.kernels.fp8_fused_swiglu() {
+            let slot = layer * FP8_ROLES + Fp8Role::Act as usize;
+            let fused = self.with_amax_history(gate, |h| {
+                h.quantize_swiglu(slot, gate, up, Fp8Format::E4M3, transpose, FP8_ROWS, record)
+            })?;
+            if let Some(q) = fused {
+                return Ok(q);
+            }
+        }
+        self.fp8_act(
+            layer,
+            Fp8Role::Act,
+            &swiglu(gate, up)?,
+            Fp8Format::E4M3,
+            transpose,
+            record,
+        )
+    }
+
+    /// SwiGLU's input gradients for the upstream `ds`, as [`Self::fp8_act`] quantizes them for
+    /// the backward (E5M2 with transposes, roles `DGate` and `DUp`, recorded). Under delayed
+    /// scaling on CUDA, once both roles have a history, one kernel computes and casts them and
+    /// the bf16 gradients are never written (`KernelConfig::fp8_fused_swiglu`); the same bits as
+    /// `swiglu_backward` then [`Self::fp8_act`] of each.
+    fn fp8_swiglu_backward(
+        &self,
+        layer: usize,
+        gate: &Tensor,
+        up: &Tensor,
+        ds: &Tensor,
+    ) -> Result<(Fp8Tensor, Fp8Tensor)> {
+        if self.kernels.fp8_fused_swiglu() {
+            let slots = (
+                layer * FP8_ROLES + Fp8Role::DGate as usize,
+                layer * FP8_ROLES + Fp8Role::DUp as usize,
+            );
+            let fused = self.with_amax_history(gate, |h| {
+                h.quantize_swiglu_backward(slots, gate, up, ds, Fp8Format::E5M2, FP8_ROWS, true)
+            })?;
+            if let Some(q) = fused {
+                return Ok(q);
+            }
+        }
+        let (dg, du) = swiglu_backward(gate, up, ds)?;
+        let dgq = self.fp8_act(layer, Fp8Role::DGate, &dg, Fp8Format::E5M2, true, true)?;
+        drop(dg);
+        Ok((
+            dgq,
+            self.fp8_act(layer, Fp8Role::DUp, &du, Fp8Format::E5M2, true, true)?,
+        ))
+    }
+
+    /// `f` on the amax history under `KernelConfig::fp8_delayed` (made, or made again for a new
+    /// configuration, on `t`'s device), `None` under current scaling. `t` must be bf16.
+    fn with_amax_history<R>(
+        &self,
+        t: &Tensor,
+        f: impl FnOnce(&mut AmaxHistory) -> candle_core::Result<R>,
+    ) -> Result<Option<R>> {
         let Some(cfg) = self.kernels.fp8_delayed() else {
-            return fp8_quantized(t, format, transpose, FP8_ROWS);
+            return Ok(None);
         };
         bf16_model(t)?;
         let mut g = self.fp8_amax.lock();
@@ -261,14 +331,7 @@ impl BlockCtx {
             *g = Some(AmaxHistory::new(cfg, self.fp8_slots(), t.device())?);
         }
         let h = g.as_mut().expect("made above");
-        Ok(h.quantize(
-            layer * FP8_ROLES + role as usize,
-            t,
-            format,
-            transpose,
-            FP8_ROWS,
-            record,
-        )?)
+        Ok(Some(f(h)?))
     }
 
     /// The context of one rank at tensor-parallel size `tp`: its share of the query heads, the
@@ -448,6 +511,13 @@ enum LinearInputs {
     Fp8(SavedFp8),
 }
 
+/// A forward's SwiGLU output: bf16, or (FP8 linear layers) only the down projection's quantized
+/// input.
+enum Act {
+    Bf16(Tensor),
+    Fp8(Fp8Tensor),
+}
+
 fn dw(v: &Var) -> Tensor {
     v.as_detached_tensor()
 }
@@ -496,9 +566,14 @@ fn bf16_model(t: &Tensor) -> Result<()> {
 /// accumulation, as Transformer Engine runs the forward; bf16 out), or by [`linear`] when there
 /// is none.
 fn project(w: Weight, x: &Tensor, xq: Option<&Fp8Tensor>, bias: Option<&Var>) -> Result<Tensor> {
-    let Some(xq) = xq else {
-        return linear(&w.ctx.kernels, x, w.var, bias);
-    };
+    match xq {
+        None => linear(&w.ctx.kernels, x, w.var, bias),
+        Some(xq) => project_fp8(w, xq, bias),
+    }
+}
+
+/// [`project`] of an input that exists only in FP8.
+fn project_fp8(w: Weight, xq: &Fp8Tensor, bias: Option<&Var>) -> Result<Tensor> {
     let y = fp8::matmul_t(
         xq,
         Side::Rows,
@@ -752,14 +827,16 @@ impl Block {
                 None => o,
             };
             let (x2, h2) = vime_kernels::add_rms_norm(&x.narrow(0, a, n)?, &o, &dw(&self.post_norm), eps)?;
-            let act = swiglu(
-                &linear_scoring(self.weight(ctx, Proj::Gate), &h2, None)?,
-                &linear_scoring(self.weight(ctx, Proj::Up), &h2, None)?,
-            )?;
-            outs.push(vime_kernels::add(
-                &x2,
-                &linear_scoring(self.weight(ctx, Proj::Down), &act, None)?,
-            )?);
+            let gate = linear_scoring(self.weight(ctx, Proj::Gate), &h2, None)?;
+            let up = linear_scoring(self.weight(ctx, Proj::Up), &h2, None)?;
+            let down = if ctx.kernels.fp8() {
+                // As `linear_scoring` quantizes (reading the history, recording nothing).
+                let q = ctx.fp8_swiglu(self.index, &gate, &up, false, false)?;
+                project_fp8(self.weight(ctx, Proj::Down), &q, None)?
+            } else {
+                linear_scoring(self.weight(ctx, Proj::Down), &swiglu(&gate, &up)?, None)?
+            };
+            outs.push(vime_kernels::add(&x2, &down)?);
             a = b;
         }
         Ok(Tensor::cat(&outs, 0)?)
@@ -888,10 +965,18 @@ impl Block {
         let h2q = quant(&h2, Fp8Role::H2)?;
         let gate = project(self.weight(ctx, Proj::Gate), &h2, h2q.as_ref(), None)?;
         let up = project(self.weight(ctx, Proj::Up), &h2, h2q.as_ref(), None)?;
-        let act = swiglu(&gate, &up)?;
+        // Under FP8 the SwiGLU output exists only quantized (computed by the cast, under delayed
+        // scaling): the down projection and the backward read nothing else.
+        let act = if fp8 {
+            Act::Fp8(ctx.fp8_swiglu(self.index, &gate, &up, keep_t, keep_t)?)
+        } else {
+            Act::Bf16(swiglu(&gate, &up)?)
+        };
         // Row-parallel down_proj, summed over TP.
-        let actq = quant(&act, Fp8Role::Act)?;
-        let down = project(self.weight(ctx, Proj::Down), &act, actq.as_ref(), None)?;
+        let down = match &act {
+            Act::Bf16(a) => project(self.weight(ctx, Proj::Down), a, None, None)?,
+            Act::Fp8(q) => project_fp8(self.weight(ctx, Proj::Down), q, None)?,
+        };
         let y = vime_kernels::add(&x2, &sp_reduce(ctx, tp, down)?)?;
         let attn_saved = match (keep, attn_saved) {
             (Keep::Nothing, _) => return Ok((y, Kept::Nothing)),
@@ -899,18 +984,22 @@ impl Block {
             (_, Some(saved)) => saved,
             (_, None) => bail!("layer {}: attention kept nothing for the backward", self.index),
         };
-        let inputs = match (h1q, a2q, h2q, actq) {
-            (Some(h1), Some(a2), Some(h2), Some(act)) => LinearInputs::Fp8(SavedFp8 {
+        let inputs = match (h1q, a2q, h2q, act) {
+            (Some(h1), Some(a2), Some(h2), Act::Fp8(act)) => LinearInputs::Fp8(SavedFp8 {
                 h1: h1.into_transpose()?,
                 a2: a2.into_transpose()?,
                 h2: h2.into_transpose()?,
                 act: act.into_transpose()?,
             }),
-            _ => LinearInputs::Bf16 {
+            (None, None, None, Act::Bf16(act)) => LinearInputs::Bf16 {
                 h1: if ctx.sequence_parallel { h1_local } else { h1 },
                 h2: if ctx.sequence_parallel { h2_local } else { h2 },
                 act,
             },
+            _ => bail!(
+                "layer {}: a forward with some linear inputs in FP8 and some not",
+                self.index
+            ),
         };
         let saved = Saved {
             positions: positions.clone(),
@@ -964,13 +1053,8 @@ impl Block {
                 put_wgrad_fp8(grads, name("mlp.down_proj.weight"), &dyq, &f.act)?;
                 let ds = self.dgrad_fp8_sum(ctx, &[(&dyq, Proj::Down)])?;
                 drop((dyq, dy_all));
-                let (dg, du) = swiglu_backward(&s.gate, &s.up, &ds)?;
+                let (dgq, duq) = ctx.fp8_swiglu_backward(self.index, &s.gate, &s.up, &ds)?;
                 drop(ds);
-                let (dgq, duq) = (
-                    ctx.fp8_act(self.index, Fp8Role::DGate, &dg, Fp8Format::E5M2, true, true)?,
-                    ctx.fp8_act(self.index, Fp8Role::DUp, &du, Fp8Format::E5M2, true, true)?,
-                );
-                drop((dg, du));
                 let dh2 = self.dgrad_fp8_sum(ctx, &[(&dgq, Proj::Gate), (&duq, Proj::Up)])?;
                 let dh2 = sp_reduce_while(ctx, tp, dh2, &mut || {
                     put_wgrad_fp8(grads, name("mlp.gate_proj.weight"), &dgq, &f.h2)?;
