@@ -895,6 +895,11 @@ mod tests {
         });
         assert!(e.contains("--layers"), "{e}");
         let e = err(BenchArgs {
+            fp8_swiglu_cast: "both".into(),
+            ..base.clone()
+        });
+        assert!(e.contains("--fp8-swiglu-cast") && e.contains("both"), "{e}");
+        let e = err(BenchArgs {
             dtype: "int8".into(),
             ..base
         });
