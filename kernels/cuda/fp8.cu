@@ -100,31 +100,6 @@ __device__ __forceinline__ float scale_of(float a, float scale_mul, int e5m2) {
     return (a > 0.f && a <= 3.402823466e38f) ? __fmul_rn(__fdiv_rn(fmax, a), scale_mul) : 1.f;
 }
 
-// The max of a and of b over the block, in every thread; its own shared buffer, so a kernel may
-// use it beside block_max.
-__device__ __forceinline__ void block_max2(float& a, float& b) {
-    __shared__ float part2[2][32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, o));
-        b = fmaxf(b, __shfl_xor_sync(FULL_MASK, b, o));
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        part2[0][warp] = a;
-        part2[1][warp] = b;
-    }
-    __syncthreads();
-    const bool in = lane < (int)(blockDim.x >> 5);
-    a = in ? part2[0][lane] : 0.f;
-    b = in ? part2[1][lane] : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, o));
-        b = fmaxf(b, __shfl_xor_sync(FULL_MASK, b, o));
-    }
-}
-
 // The cast's tile: block (256 threads) over a 64 x 128 tile of a row-major [rows, cols] tensor,
 // grid (ceil(cols / 128), ceil(rows / 64)). The loads: 16 threads a row, 8 values (16 bytes) each,
 // four rows in flight per thread (rows sub, sub + 16, sub + 32, sub + 48 of the tile).
@@ -153,15 +128,40 @@ __device__ __forceinline__ uint4 load8(const bf16* __restrict__ x, const CastTil
                       e[6] | ((unsigned)e[7] << 16));
 }
 
+// The max |x| of a thread's four loads.
+__device__ __forceinline__ float absmax_loads(const uint4 (&u)[4]) {
+    float m = 0.f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) m = fmaxf(m, absmax8(u[p]));
+    return m;
+}
+
 // Quantizes a thread's four loads u (zeros where a load lies outside the tensor) by s into out
 // (row-major, 8-byte stores) and, when out_t is not null, into its transpose out_t [cols, ld_t]:
 // the tile's FP8 bytes go through shared memory (33 words a row), a thread gathers 4 columns x 8
-// rows with byte permutes, and 8 threads store one out_t row's 64 bytes. Every thread of the
-// block calls it (it has a barrier when out_t is set); a second call on the same tile needs a
-// __syncthreads between the two.
+// rows with byte permutes, and 8 threads store one out_t row's 64 bytes.
+//
+// record, when not null, is raised (atomicMax of f32 bits) to the tile's max |u| (the zeros past
+// the tensor do not move it), with no barrier of its own: each warp's max by shuffles before the
+// stores; with a transpose, thread 0 raises the record once for the block after the barrier the
+// transpose has anyway; without one, each warp raises it.
+//
+// Every thread of the block calls it, with the same record and out_t (it has a barrier when out_t
+// is set); a second call on the same tile needs a __syncthreads between the two.
 __device__ __forceinline__ void store_fp8(const uint4 (&u)[4], float s, int e5m2, const CastTile& t,
                                           unsigned int* tile, unsigned char* __restrict__ out,
-                                          unsigned char* __restrict__ out_t, int ld_t) {
+                                          unsigned char* __restrict__ out_t, int ld_t,
+                                          unsigned int* __restrict__ record) {
+    __shared__ float warp_max[8];
+    if (record != nullptr) {
+        float m = absmax_loads(u);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        if ((threadIdx.x & 31) == 0) {
+            if (out_t == nullptr) atomicMax(record, __float_as_uint(m));
+            else warp_max[threadIdx.x >> 5] = m;
+        }
+    }
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
         const int i = t.sub + 16 * p;
@@ -180,6 +180,11 @@ __device__ __forceinline__ void store_fp8(const uint4 (&u)[4], float s, int e5m2
     }
     if (out_t == nullptr) return;
     __syncthreads();
+    if (record != nullptr && threadIdx.x == 0) {
+        float m = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, warp_max[w]);
+        atomicMax(record, __float_as_uint(m));
+    }
     const int g = threadIdx.x & 7, qd = threadIdx.x >> 3;
     const int rr = t.r0 + 8 * g;
     if (rr >= t.rows) return;
@@ -202,14 +207,6 @@ __device__ __forceinline__ void store_fp8(const uint4 (&u)[4], float s, int e5m2
     }
 }
 
-// The max |x| of a thread's four loads.
-__device__ __forceinline__ float absmax_loads(const uint4 (&u)[4]) {
-    float m = 0.f;
-#pragma unroll
-    for (int p = 0; p < 4; ++p) m = fmaxf(m, absmax8(u[p]));
-    return m;
-}
-
 // q = fp8(x * scale) for x [rows, cols] (row-major, contiguous) into out [rows, cols] and, when
 // out_t is not null, into out_t [cols, ld_t] (the transpose, which Hopper's FP8 GEMMs need for
 // the backward: they take only K-major operands; ld_t >= rows, the columns past rows zeros or
@@ -220,8 +217,8 @@ __device__ __forceinline__ float absmax_loads(const uint4 (&u)[4]) {
 // read), divided by 2^margin (scale_mul = 2^-margin, exact). record, when not null, is an f32
 // amax (its bits, an unsigned int) raised by atomicMax to this tensor's amax: with current
 // scaling block (0, 0) raises it to the amax it scaled by; with delayed scaling every block to its
-// tile's max |x| (NaNs ignored, as fmaxf does). Non-negative floats order as their bits, so the
-// result is the max whatever the blocks' order.
+// tile's max |x| (NaNs ignored, as fmaxf does; see store_fp8). Non-negative floats order as their
+// bits, so the result is the max whatever the order.
 //
 // The tile and its stores: CastTile and store_fp8. Block (0, 0) writes scale_inv.
 extern "C" __global__ void __launch_bounds__(256)
@@ -246,13 +243,8 @@ vime_fp8_cast(const bf16* __restrict__ x, int rows, int cols, const unsigned int
     uint4 u[4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) u[p] = t.in(p) ? load8(x, t, p, vec) : make_uint4(0, 0, 0, 0);
-    // Delayed scaling's record: this tile's max |x| (the zeros of the rows and columns past the
-    // tensor do not move it). The condition is the same in every thread of the block.
-    if (amax_in != nullptr && record != nullptr) {
-        const float m = block_max(absmax_loads(u));
-        if (threadIdx.x == 0) atomicMax(record, __float_as_uint(m));
-    }
-    store_fp8(u, s, e5m2, t, tile, out, out_t, ld_t);
+    // Delayed scaling records each tile's max |x| as it stores (current scaling recorded above).
+    store_fp8(u, s, e5m2, t, tile, out, out_t, ld_t, amax_in != nullptr ? record : nullptr);
 }
 
 // SwiGLU's output (swiglu.cuh, rounded to bf16 as vime_swiglu_fwd rounds it) of 8 gate and up
@@ -293,11 +285,7 @@ vime_fp8_swiglu_cast(const bf16* __restrict__ gate, const bf16* __restrict__ up,
     // Outside the tensor the output is zeros (+0), as vime_fp8_cast's loads there.
 #pragma unroll
     for (int p = 0; p < 4; ++p) y[p] = t.in(p) ? swiglu8(g[p], v[p]) : make_uint4(0, 0, 0, 0);
-    if (record != nullptr) {
-        const float m = block_max(absmax_loads(y));
-        if (threadIdx.x == 0) atomicMax(record, __float_as_uint(m));
-    }
-    store_fp8(y, s, e5m2, t, tile, out, out_t, ld_t);
+    store_fp8(y, s, e5m2, t, tile, out, out_t, ld_t, record);
 }
 
 // The two casts of SwiGLU's input gradients with delayed scaling, computed as they load:
@@ -349,17 +337,9 @@ vime_fp8_swiglu_bwd_cast(const bf16* __restrict__ gate, const bf16* __restrict__
             }
         }
     }
-    if (rec_g != nullptr || rec_u != nullptr) {
-        float mg = absmax_loads(dg), mu = absmax_loads(du);
-        block_max2(mg, mu);
-        if (threadIdx.x == 0) {
-            if (rec_g != nullptr) atomicMax(rec_g, __float_as_uint(mg));
-            if (rec_u != nullptr) atomicMax(rec_u, __float_as_uint(mu));
-        }
-    }
-    store_fp8(dg, sg, e5m2, t, tile, out_g, out_gt, ld_t);
+    store_fp8(dg, sg, e5m2, t, tile, out_g, out_gt, ld_t, rec_g);
     __syncthreads();
-    store_fp8(du, su, e5m2, t, tile, out_u, out_ut, ld_t);
+    store_fp8(du, su, e5m2, t, tile, out_u, out_ut, ld_t, rec_u);
 }
 
 // Delayed scaling's history, one row of width 2 + n_hist floats a slot: [pending, amax, h_0 ..
