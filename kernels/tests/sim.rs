@@ -12,7 +12,7 @@
 //! - `check_fp8.cpp`: `cuda/fp8.cu`'s amax, cast and amax-history commit kernels against a host
 //!   reference of the same rule: current scaling, delayed scaling (a given amax, a margin,
 //!   saturation, the tiles' maxima recorded by atomicMax), odd and misaligned shapes, padded
-//!   transposes.
+//!   transposes; and the fused SwiGLU casts against SwiGLU then the cast, bit for bit.
 
 use std::path::Path;
 use std::process::Command;
