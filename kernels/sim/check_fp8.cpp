@@ -154,17 +154,16 @@ static void swiglu_case(int c, int rows, int cols, int offset, bool e5m2, float 
         float sinv = -1.f;
         unsigned rec = 0;
     };
-    auto fresh = [&](bool with_t) {
+    auto fresh = [&]() {
         Out r;
         r.q.assign(n, 0xAA);
         r.qt.assign((size_t)cols * ld_t, 0);
         r.rec = record ? 0u : 0xdeadbeefu;
-        (void)with_t;
         return r;
     };
     // The reference: vime_fp8_cast of a bf16 tensor under delayed scaling by amax_in.
     auto cast = [&](const bf16* x, float amax_in, bool with_t) {
-        Out r = fresh(with_t);
+        Out r = fresh();
         unsigned part = 0;
         sim::launch(grid, dim3(256), [&] {
             vime_fp8_cast(x, rows, cols, &part, 1, &amax_in, scale_mul, record ? &r.rec : nullptr, &r.sinv, r.q.data(),
@@ -186,7 +185,7 @@ static void swiglu_case(int c, int rows, int cols, int offset, bool e5m2, float 
     // Forward.
     const float in_y = ay * rel;
     const Out ref_y = cast(y.data(), in_y, transpose);
-    Out got_y = fresh(transpose);
+    Out got_y = fresh();
     sim::launch(grid, dim3(256), [&] {
         vime_fp8_swiglu_cast(g, u, rows, cols, &in_y, scale_mul, record ? &got_y.rec : nullptr, &got_y.sinv,
                              got_y.q.data(), transpose ? got_y.qt.data() : nullptr, ld_t, e5m2 ? 1 : 0);
@@ -196,7 +195,7 @@ static void swiglu_case(int c, int rows, int cols, int offset, bool e5m2, float 
     // Backward (always with transposes: the weight gradients read them).
     const float in_g = ag * rel, in_u = au * rel * 0.5f;
     const Out ref_g = cast(dg.data(), in_g, true), ref_u = cast(du.data(), in_u, true);
-    Out got_g = fresh(true), got_u = fresh(true);
+    Out got_g = fresh(), got_u = fresh();
     sim::launch(grid, dim3(256), [&] {
         vime_fp8_swiglu_bwd_cast(g, u, o, rows, cols, &in_g, &in_u, scale_mul, record ? &got_g.rec : nullptr,
                                  record ? &got_u.rec : nullptr, &got_g.sinv, &got_u.sinv, got_g.q.data(),

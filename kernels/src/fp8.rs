@@ -318,6 +318,19 @@ fn quantize_cuda(
     Ok(Fp8Tensor::from_parts(x.dim(0)?, parts, format))
 }
 
+/// The cast's scale from an amax-history row starting at element `row` of the device history
+/// `h`: its amax times `delayed` (`2^-margin`) when the role has one (`Some`), else the tensor's
+/// own amax (current scaling); with `record`, the row's pending amax is raised.
+#[cfg(feature = "cuda")]
+fn device_scale(h: &Tensor, row: usize, delayed: Option<f32>, record: bool) -> Result<crate::cuda::CastScale> {
+    let at = |i: usize| crate::cuda::f32_addr(h, row + i, "fp8 amax history");
+    Ok(crate::cuda::CastScale {
+        amax_in: if delayed.is_some() { at(1)? } else { 0 },
+        scale_mul: delayed.unwrap_or(1.0),
+        record: if record { at(0)? } else { 0 },
+    })
+}
+
 /// The CPU reference of both scalings: the scale from `scale_amax` (delayed) or from `x`'s own
 /// amax (current, `None`), times `mul`; returns the FP8 tensor and `x`'s amax.
 fn quantize_cpu(
@@ -494,42 +507,37 @@ impl AmaxHistory {
                         h.device()
                     );
                 }
-                let at = |i: usize| crate::cuda::f32_addr(h, slot * width + i, "fp8 amax history");
-                let scale = crate::cuda::CastScale {
-                    amax_in: if seeded { at(1)? } else { 0 },
-                    scale_mul: if seeded { mul } else { 1.0 },
-                    record: if record { at(0)? } else { 0 },
-                };
+                let scale = device_scale(h, slot * width, seeded.then_some(mul), record)?;
                 quantize_cuda(x, format, transpose, rows_pad, scale)
             }
         }
     }
 
-    /// The scale arguments of the CUDA casts for role `slot` under its history (which must be
-    /// seeded), recording into its pending amax when `record`.
+    /// The scales of the fused casts for `slots` on `t`: `Some` when the history is on `t`'s
+    /// CUDA device and every slot is seeded (the fused casts have no amax pass), and then, with
+    /// `record`, the slots count as recorded; `None` otherwise, with nothing changed.
     #[cfg(feature = "cuda")]
-    fn device_scale(&mut self, slot: usize, record: bool) -> Result<crate::cuda::CastScale> {
+    fn fused_scales<const N: usize>(
+        &mut self,
+        slots: [usize; N],
+        t: &Tensor,
+        record: bool,
+    ) -> Result<Option<[crate::cuda::CastScale; N]>> {
         let (width, mul) = (self.width(), self.cfg.scale_mul());
-        self.recorded[slot] |= record;
         let Rows::Device(h) = &self.rows else {
-            bail!("fp8 amax history: not on a CUDA device");
+            return Ok(None);
         };
-        let at = |i: usize| crate::cuda::f32_addr(h, slot * width + i, "fp8 amax history");
-        Ok(crate::cuda::CastScale {
-            amax_in: at(1)?,
-            scale_mul: mul,
-            record: if record { at(0)? } else { 0 },
-        })
-    }
-
-    /// Whether role `slot`'s casts may run fused on `t`'s device: a CUDA history (on that
-    /// device) that holds the role's amax already.
-    #[cfg(feature = "cuda")]
-    fn fused_ready(&self, slot: usize, t: &Tensor) -> bool {
-        match &self.rows {
-            Rows::Device(h) => self.seeded[slot] && t.device().same_device(h.device()),
-            Rows::Host(_) => false,
+        if !t.device().same_device(h.device()) || !slots.iter().all(|&s| self.seeded[s]) {
+            return Ok(None);
         }
+        let mut scales = [crate::cuda::CastScale::CURRENT; N];
+        for (sc, &slot) in scales.iter_mut().zip(&slots) {
+            *sc = device_scale(h, slot * width, Some(mul), record)?;
+        }
+        for &slot in &slots {
+            self.recorded[slot] |= record;
+        }
+        Ok(Some(scales))
     }
 
     fn check_slot(&self, slot: usize) -> Result<()> {
@@ -539,11 +547,12 @@ impl AmaxHistory {
         Ok(())
     }
 
-    /// [`Self::quantize`] of `swiglu(gate, up)` ([`crate::swiglu`]) for role `slot`. On CUDA with
-    /// the role's history seeded, one kernel computes SwiGLU as it casts and the bf16 output is
-    /// never written; otherwise SwiGLU, then [`Self::quantize`]. The same bits either way.
+    /// [`Self::quantize`] of `swiglu(gate, up)` ([`crate::swiglu`]) for role `slot` in one CUDA
+    /// kernel that computes SwiGLU as it casts (the bf16 output is never written), when the
+    /// history is on the device and the role seeded; `None` otherwise, for the caller to run
+    /// SwiGLU and then [`Self::quantize`], which gives the same bits.
     #[allow(clippy::too_many_arguments)]
-    pub fn quantize_swiglu(
+    pub fn try_quantize_swiglu(
         &mut self,
         slot: usize,
         gate: &Tensor,
@@ -552,27 +561,26 @@ impl AmaxHistory {
         transpose: bool,
         multiple: usize,
         record: bool,
-    ) -> Result<Fp8Tensor> {
+    ) -> Result<Option<Fp8Tensor>> {
         self.check_slot(slot)?;
         #[cfg(feature = "cuda")]
-        if self.fused_ready(slot, gate) {
+        if let Some([scale]) = self.fused_scales([slot], gate, record)? {
             let rows_pad = padded_rows(gate, multiple)?;
-            let scale = self.device_scale(slot, record)?;
             let parts =
                 crate::cuda::fp8_swiglu_quantize(gate, up, format == Fp8Format::E5M2, transpose, rows_pad, scale)?;
-            return Ok(Fp8Tensor::from_parts(gate.dim(0)?, parts, format));
+            return Ok(Some(Fp8Tensor::from_parts(gate.dim(0)?, parts, format)));
         }
-        let act = crate::swiglu(gate, up)?;
-        self.quantize(slot, &act, format, transpose, multiple, record)
+        let _ = (gate, up, format, transpose, multiple, record);
+        Ok(None)
     }
 
     /// SwiGLU's input gradients `(d_gate, d_up)` for the upstream `dy`
-    /// ([`crate::swiglu_backward`]), quantized with their transposes for roles `slots.0` and
-    /// `slots.1`. On CUDA with both histories seeded, one kernel computes the gradients as it
-    /// casts (the bf16 gradients never written); otherwise the backward, then [`Self::quantize`]
-    /// of each. The same bits either way.
+    /// ([`crate::swiglu_backward`]) quantized with their transposes for roles `slots.0` and
+    /// `slots.1`, in one CUDA kernel that computes them as it casts (the bf16 gradients are never
+    /// written), when the history is on the device and both roles seeded; `None` otherwise, for
+    /// the caller to run the backward and then [`Self::quantize`] of each (the same bits).
     #[allow(clippy::too_many_arguments)]
-    pub fn quantize_swiglu_backward(
+    pub fn try_quantize_swiglu_backward(
         &mut self,
         slots: (usize, usize),
         gate: &Tensor,
@@ -581,26 +589,22 @@ impl AmaxHistory {
         format: Fp8Format,
         multiple: usize,
         record: bool,
-    ) -> Result<(Fp8Tensor, Fp8Tensor)> {
+    ) -> Result<Option<(Fp8Tensor, Fp8Tensor)>> {
         self.check_slot(slots.0)?;
         self.check_slot(slots.1)?;
         #[cfg(feature = "cuda")]
-        if self.fused_ready(slots.0, gate) && self.fused_ready(slots.1, gate) {
+        if let Some([sg, su]) = self.fused_scales([slots.0, slots.1], gate, record)? {
             let rows_pad = padded_rows(gate, multiple)?;
-            let (sg, su) = (self.device_scale(slots.0, record)?, self.device_scale(slots.1, record)?);
             let (pg, pu) =
                 crate::cuda::fp8_swiglu_backward_quantize(gate, up, dy, format == Fp8Format::E5M2, rows_pad, sg, su)?;
             let rows = gate.dim(0)?;
-            return Ok((
+            return Ok(Some((
                 Fp8Tensor::from_parts(rows, pg, format),
                 Fp8Tensor::from_parts(rows, pu, format),
-            ));
+            )));
         }
-        let (dg, du) = crate::swiglu_backward(gate, up, dy)?;
-        let qg = self.quantize(slots.0, &dg, format, true, multiple, record)?;
-        drop(dg);
-        let qu = self.quantize(slots.1, &du, format, true, multiple, record)?;
-        Ok((qg, qu))
+        let _ = (gate, up, dy, format, multiple, record);
+        Ok(None)
     }
 
     /// Moves each role recorded since the last commit into its history (see the type's doc);

@@ -258,14 +258,15 @@ impl BlockCtx {
 
     /// [`Self::fp8_act`] of `swiglu(gate, up)` in the `Act` role (E4M3). Under delayed scaling
     /// on CUDA, once the role has a history, SwiGLU is computed by the cast and its bf16 output
-    /// is never written (`KernelConfig::fp8_fused_swiglu`); the same bits either way.
+    /// is never written (`KernelConfig::fp8_fused_swiglu`, `AmaxHistory::try_quantize_swiglu`);
+    /// otherwise SwiGLU, then [`Self::fp8_act`]: the same bits either way.
     fn fp8_swiglu(&self, layer: usize, gate: &Tensor, up: &Tensor, transpose: bool, record: bool) -> Result<Fp8Tensor> {
         if self.kernels.fp8_fused_swiglu() {
             let slot = layer * FP8_ROLES + Fp8Role::Act as usize;
             let fused = self.with_amax_history(gate, |h| {
-                h.quantize_swiglu(slot, gate, up, Fp8Format::E4M3, transpose, FP8_ROWS, record)
+                h.try_quantize_swiglu(slot, gate, up, Fp8Format::E4M3, transpose, FP8_ROWS, record)
             })?;
-            if let Some(q) = fused {
+            if let Some(q) = fused.flatten() {
                 return Ok(q);
             }
         }
@@ -297,9 +298,9 @@ impl BlockCtx {
                 layer * FP8_ROLES + Fp8Role::DUp as usize,
             );
             let fused = self.with_amax_history(gate, |h| {
-                h.quantize_swiglu_backward(slots, gate, up, ds, Fp8Format::E5M2, FP8_ROWS, true)
+                h.try_quantize_swiglu_backward(slots, gate, up, ds, Fp8Format::E5M2, FP8_ROWS, true)
             })?;
-            if let Some(q) = fused {
+            if let Some(q) = fused.flatten() {
                 return Ok(q);
             }
         }
