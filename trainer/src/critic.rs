@@ -298,7 +298,7 @@ impl Critic {
         let (loss, grads) =
             self.backbone
                 .forward_backward_with_head_cp(shard, recompute, |h| loss_fn(&self.head(h, true)?), tp, cp)?;
-        self.take_head_grads(loss, grads)
+        Ok((loss, self.take_head_grads(grads)?))
     }
 
     /// Values of a micro-batch read back per sample's response tokens (for old values / GAE).
@@ -328,13 +328,14 @@ impl Critic {
         let (loss, grads) =
             self.backbone
                 .forward_backward_with_head_tp(batch, recompute, |h| loss_fn(&self.head(h, true)?), tp)?;
-        self.take_head_grads(loss, grads)
+        Ok((loss, self.take_head_grads(grads)?))
     }
 
     /// The backbone's gradients without the unused LM head, plus the value head's.
     /// Gradient accumulation (see `Qwen3::forward_backward_into`): this micro-batch's gradients
     /// added to `sums`, the earlier micro-batches' (value head included), which come back as
-    /// `Gradients::params`. Under CP pass the `shard` and its `cp` group.
+    /// `Gradients::params`. Under CP pass the `shard` and its `cp` group. The loss stays on the
+    /// device until read (`Qwen3::forward_backward_into`).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_backward_into(
         &self,
@@ -345,7 +346,7 @@ impl Critic {
         cp: Option<&dyn vime_dist::Collectives>,
         shard: Option<&vime_qwen3::context_parallel::CpShard>,
         mut sums: BTreeMap<String, Tensor>,
-    ) -> Result<(f64, Gradients)> {
+    ) -> Result<(vime_qwen3::model::QueuedLoss, Gradients)> {
         let head_sums: Vec<(String, Tensor)> = [VALUE_HEAD_WEIGHT, VALUE_HEAD_BIAS]
             .into_iter()
             .filter_map(|n| sums.remove(n).map(|t| (n.to_string(), t)))
@@ -360,12 +361,12 @@ impl Critic {
             sums,
         )?;
         grads.params.extend(head_sums);
-        self.take_head_grads(loss, grads)
+        Ok((loss, self.take_head_grads(grads)?))
     }
 
     /// The value head's gradients into `grads.params` (added to a sum already there), and the
     /// backbone's unused LM head out.
-    fn take_head_grads(&self, loss: f64, mut grads: Gradients) -> Result<(f64, Gradients)> {
+    fn take_head_grads(&self, mut grads: Gradients) -> Result<Gradients> {
         grads.params.remove(LM_HEAD);
         for (name, var) in [(VALUE_HEAD_WEIGHT, &self.weight), (VALUE_HEAD_BIAS, &self.bias)] {
             let g = match grads.head.remove(var.as_tensor()) {
@@ -374,7 +375,7 @@ impl Critic {
             };
             vime_qwen3::model::add_gradient(&mut grads.params, name.to_string(), g)?;
         }
-        Ok((loss, grads))
+        Ok(grads)
     }
 }
 

@@ -62,7 +62,7 @@ pub(crate) fn forward_backward(
     batch: &PackedBatch,
     recompute: Recompute,
     head: Head<'_>,
-) -> Result<(f64, Gradients)> {
+) -> Result<(crate::model::QueuedLoss, Gradients)> {
     let keep_graph = recompute == Recompute::None; // any other layout: per-layer recompute (the same values)
                                                    // Under `None`, `kept[l]` holds layer l's input leaf and its tracked output; under `Full`,
                                                    // `inputs[l]` holds only the layer's (detached) input.
@@ -108,7 +108,7 @@ pub(crate) fn forward_backward(
     };
     params.insert("model.embed_tokens.weight".to_string(), ge);
     Ok((
-        crate::model::scalar_loss(&loss)?,
+        crate::model::QueuedLoss::device(loss)?,
         Gradients {
             params,
             head: head_grads,

@@ -186,7 +186,7 @@ fn gradients_accumulated_in_the_backward_equal_the_sum_of_the_micro_batches() {
             let (l2, g) = m
                 .forward_backward_into(b, rec, loss, &single, None, None, sums)
                 .unwrap();
-            assert_eq!(l1, l2, "micro-batch {k}: the loss");
+            assert_eq!(l1, l2.read().unwrap(), "micro-batch {k}: the loss");
             sums = g.params;
             assert_eq!(
                 sums.len(),

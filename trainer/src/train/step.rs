@@ -397,6 +397,23 @@ fn optimizer_step(
         }
         Ok(())
     })?;
+    let mut grads = acc.take();
+    if super::fault::nan_due("grad") {
+        if let Some(g) = grads.values_mut().next() {
+            *g = g.affine(f64::NAN, 0.0)?;
+        }
+    }
+    // Under CP each rank holds its tokens' share of the gradients and of the loss metrics.
+    if cfg.cp.size() > 1 {
+        for g in grads.values_mut() {
+            *g = cfg.cp.all_reduce(g, vime_dist::ReduceOp::Sum)?;
+        }
+    }
+    // Each gradient's sum of squares, once, queued behind the backward: the guard reads them here
+    // and the optimizer's norm below. Their copy is the step's first wait for the device (the
+    // metrics' read below then waits for nothing), so the host work since the last micro-batch
+    // was queued ran while the backward did, instead of with the GPU idle after a read.
+    let squares = crate::optim::grad_sum_squares(&grads)?;
     pending.read_into(&mut report.metrics)?;
     // The NaN/Inf guard's flag (see the module docs), one key per rank so that every rank learns
     // which one it was. Loss terms that are not finite are zeroed for the metric exchanges (JSON
@@ -410,28 +427,13 @@ fn optimizer_step(
     );
     let loss_bad = take_nonfinite(&mut report.metrics);
     report.metrics.insert(nk.clone(), loss_bad.is_some() as u8 as f64);
-    let mut grads = acc.take();
-    if super::fault::nan_due("grad") {
-        if let Some(g) = grads.values_mut().next() {
-            *g = g.affine(f64::NAN, 0.0)?;
-        }
-    }
-    // Under CP each rank holds its tokens' share of the gradients and of the loss metrics.
     if cfg.cp.size() > 1 {
-        for g in grads.values_mut() {
-            *g = cfg.cp.all_reduce(g, vime_dist::ReduceOp::Sum)?;
-        }
         super::parallel::sum_metrics(cfg.cp, &mut report.metrics)?;
     }
-    // Each gradient's sum of squares, once: the guard reads them here and the optimizer's norm
-    // below.
-    let squares = match loss_bad {
+    let grad_bad = match loss_bad {
         Some(_) => None,
-        None => Some(crate::optim::grad_sum_squares(&grads)?),
+        None => crate::optim::first_nonfinite(&grads, &squares),
     };
-    let grad_bad = squares
-        .as_deref()
-        .and_then(|sq| crate::optim::first_nonfinite(&grads, sq));
     if grad_bad.is_some() {
         *report.metrics.entry(nk.clone()).or_default() += 1.0;
     }
@@ -487,7 +489,7 @@ fn optimizer_step(
     }
     // Reduce-scatter, global norm, clipping folded into the update, all-gather.
     report.grad_norm = opt
-        .step_stats_tp(&grads, squares.as_deref(), report.lr, cfg.clip_grad, cfg.dp, cfg.tp)?
+        .step_stats_tp(&grads, Some(&squares), report.lr, cfg.clip_grad, cfg.dp, cfg.tp)?
         .grad_norm;
     Ok(report)
 }
