@@ -25,7 +25,25 @@ fn ids(t: &Tensor, name: &str, path: &Path) -> Result<Vec<u32>> {
 }
 
 /// Runs the forward and backward on `batch_path` and writes `out_path`. Returns the objective.
-pub fn grad_file(model: &Qwen3, batch_path: &Path, out_path: &Path, recompute: Recompute) -> Result<f64> {
+///
+/// `amax_warmup` passes (FP8 delayed scaling only) run first on other token sequences of the same
+/// shapes, each sequence rotated left by 1, 2, ... tokens, with the same objective and their
+/// gradients dropped. They fill the amax histories as earlier micro-batches of a run would, so the
+/// measured pass is scaled by other tensors' amaxes: the error delayed scaling adds in training.
+/// With none, delayed scaling's first pass seeds its histories from its own tensors and gives
+/// tensorwise scaling's bits.
+pub fn grad_file(
+    model: &Qwen3,
+    batch_path: &Path,
+    out_path: &Path,
+    recompute: Recompute,
+    amax_warmup: usize,
+) -> Result<f64> {
+    ensure!(
+        amax_warmup == 0 || model.kernel_config().fp8_delayed().is_some(),
+        "--fp8-amax-warmup {amax_warmup}: the warm-up passes fill delayed scaling's amax histories; pass \
+         --fp8-format hybrid --fp8-recipe delayed"
+    );
     let inputs = candle_core::safetensors::load(batch_path, &Device::Cpu)
         .with_context(|| format!("reading {}", batch_path.display()))?;
     let get = |name: &str| {
@@ -55,11 +73,28 @@ pub fn grad_file(model: &Qwen3, batch_path: &Path, out_path: &Path, recompute: R
         batch_path.display()
     );
     let ent_coef = get("ent_coef")?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?[0];
+    let objective_of = |o: &vime_qwen3::model::TokenOutputs| -> Result<Tensor> {
+        Ok(((&o.logprobs * &adv)?.sum_all()? + (o.entropy.sum_all()? * ent_coef)?)?)
+    };
+    for k in 1..=amax_warmup {
+        let rotated: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|s| {
+                let mut r = s.to_vec();
+                r.rotate_left(k % s.len());
+                r
+            })
+            .collect();
+        let warm = PackedBatch::from_sequences(&rotated)?;
+        model
+            .forward_backward(&warm, recompute, objective_of)
+            .with_context(|| format!("amax warm-up pass {k}"))?;
+    }
 
     let mut outputs = None;
     let (objective, grads) = model.forward_backward(&batch, recompute, |o| {
         outputs = Some((o.logprobs.detach(), o.entropy.detach()));
-        Ok(((&o.logprobs * &adv)?.sum_all()? + (o.entropy.sum_all()? * ent_coef)?)?)
+        objective_of(o)
     })?;
     let (logprobs, entropy) = outputs.context("internal: the loss closure did not run")?;
     let mut out: BTreeMap<String, Tensor> = BTreeMap::new();

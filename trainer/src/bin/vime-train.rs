@@ -88,6 +88,12 @@ enum Cmd {
         fp8: vime_trainer::device::Fp8Args,
         #[command(flatten)]
         head: vime_trainer::device::HeadArgs,
+        /// Under --fp8-recipe delayed: passes run first on the batch's sequences rotated by 1, 2,
+        /// ... tokens (gradients dropped), so that the measured pass is scaled by the amax
+        /// histories of other tensors, as in training (0: the histories are seeded by the
+        /// measured pass itself, which then has tensorwise scaling's bits).
+        #[arg(long, default_value_t = 0)]
+        fp8_amax_warmup: usize,
     },
 }
 
@@ -224,6 +230,7 @@ fn run(cli: Cli) -> Result<i32> {
             recompute,
             fp8,
             head,
+            fp8_amax_warmup,
         }) => {
             let device = parse_device(&device)?;
             let dtype = parse_dtype(&dtype)?;
@@ -235,7 +242,7 @@ fn run(cli: Cli) -> Result<i32> {
             device.synchronize()?;
             let loaded = t0.elapsed().as_secs_f64();
             let t1 = std::time::Instant::now();
-            let j = vime_trainer::gradcheck::grad_file(&model, &batch, &output, recompute.parse()?)?;
+            let j = vime_trainer::gradcheck::grad_file(&model, &batch, &output, recompute.parse()?, fp8_amax_warmup)?;
             eprintln!(
                 "objective {j:.6e}; load {loaded:.1}s, forward+backward+write {:.1}s -> {}",
                 t1.elapsed().as_secs_f64(),
