@@ -2016,8 +2016,40 @@ pub struct AdamwTable {
 /// Every tensor is checked before anything runs. `table` keeps the state's half of the launch's
 /// table for the next step (see [`AdamwTable`]); `ts` in the same order each step.
 pub fn adamw_update_multi(ts: &[AdamwTensor<'_>], c: AdamConsts, table: &mut AdamwTable) -> Result<()> {
+    match adamw_multi_prepare(ts, table)? {
+        Some(l) => l.launch(c),
+        None => Ok(()),
+    }
+}
+
+/// [`adamw_update_multi`]'s launch, prepared: its table built, checked and uploaded (queued), so
+/// that only the step's constants are left to give. A caller prepares it while the device is
+/// still busy (before it waits for the gradient norm) and launches it once the clipping factor is
+/// known: the table's host time then no longer leaves the GPU idle.
+pub struct AdamwLaunch {
+    dev: CudaDevice,
+    segs: CudaSlice<u64>,
+    nseg: i32,
+    chunks: u64,
+}
+
+impl AdamwLaunch {
+    /// Queues the update with the step's constants.
+    pub fn launch(&self, c: AdamConsts) -> Result<()> {
+        let dev = &self.dev;
+        let tp = slice_addr(&self.segs, dev);
+        let grid = (self.chunks as usize).min(ADAMW_BLOCKS) as u32;
+        let f = ops_fn(dev, "vime_adamw_multi")?;
+        launch!(dev, f, cfg(grid, 256), [&tp, &self.nseg, &self.chunks, &c]);
+        Ok(())
+    }
+}
+
+/// The table of [`adamw_update_multi`] for `ts` (see [`AdamwLaunch`]); `None` when there is
+/// nothing to update.
+pub fn adamw_multi_prepare(ts: &[AdamwTensor<'_>], table: &mut AdamwTable) -> Result<Option<AdamwLaunch>> {
     let Some(first) = ts.first() else {
-        return Ok(());
+        return Ok(None);
     };
     let dev = cuda_dev(first.master, "adamw_update_multi")?;
     table.rows.resize(ts.len(), None);
@@ -2049,15 +2081,16 @@ pub fn adamw_update_multi(ts: &[AdamwTensor<'_>], c: AdamConsts, table: &mut Ada
         chunks += a.n.div_ceil(ADAMW_CHUNK) as u64;
     }
     if segs.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let nseg = i32_of("adamw_update_multi", "tensors", segs.len() / 8)?;
-    let segs_dev = dev.cuda_stream().clone_htod(&segs).w()?;
-    let tp = slice_addr(&segs_dev, &dev);
-    let grid = (chunks as usize).min(ADAMW_BLOCKS) as u32;
-    let f = ops_fn(&dev, "vime_adamw_multi")?;
-    launch!(dev, f, cfg(grid, 256), [&tp, &nseg, &chunks, &c]);
-    Ok(())
+    let segs = dev.cuda_stream().clone_htod(&segs).w()?;
+    Ok(Some(AdamwLaunch {
+        dev,
+        segs,
+        nseg,
+        chunks,
+    }))
 }
 
 // ---------------------------------------------------------------------------------------------

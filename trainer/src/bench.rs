@@ -253,12 +253,13 @@ pub fn random_model(cfg: Qwen3Config, dtype: DType, device: &Device) -> Result<Q
 
 /// The host-side pieces of bench-step's step whose host time it reports (`host_ms` key, label of
 /// the `HOST` line), to tell apart the launch gaps a timeline shows around the optimizer: the
-/// accumulator's hand-over and the gradients' sums of squares up to their copy (the step's first
-/// wait for the device: it comes after the backward, so these two are in `fwd_bwd_s`), then the
-/// guard's check, the optimizer call (checks, norm, table, launch; asynchronous) and the
-/// gradients' frees (in `optimizer_s`).
+/// accumulator's hand-over with the optimizer's preparation (`prepare_step`: its checks and
+/// table) and the gradients' sums of squares up to their copy (the step's first wait for the
+/// device: it comes after the backward, so these two are in `fwd_bwd_s`), then the guard's check,
+/// the optimizer call (norm, clipping, launch; asynchronous) and the gradients' frees (in
+/// `optimizer_s`).
 const HOST_PIECES: [(&str, &str); 5] = [
-    ("take", "take"),
+    ("take", "take + optimizer prepare"),
     ("squares", "sums of squares incl. their copy"),
     ("guard", "guard"),
     ("optimizer_call", "optimizer call"),
@@ -487,6 +488,8 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         })?;
         let h0 = Instant::now();
         let grads = acc.take();
+        // The optimizer's checks and its fused update's table, done while the backward runs.
+        opt.prepare_step(&grads, &dp, &single)?;
         let h1 = Instant::now();
         // Each gradient's sum of squares, queued behind the backward and read: the step's first
         // wait for the device, so the host work above (the accumulator, the FP8 weights' frees)

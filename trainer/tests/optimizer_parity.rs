@@ -15,8 +15,8 @@ use vime_kernels::testing::{rel_err, Rng};
 use vime_qwen3::config::Qwen3Config;
 use vime_qwen3::state_dict::param_specs;
 use vime_trainer::optim::{
-    clip_grad_norm, global_grad_norm, megatron_weight_decay, AdamW, GradAccumulator, LrDecayStyle, LrScheduler,
-    NonFiniteGradNorm, OptimizerArgs, WsdDecayStyle,
+    clip_grad_norm, global_grad_norm, megatron_weight_decay, AdamW, DistributedAdamW, GradAccumulator, LrDecayStyle,
+    LrScheduler, NonFiniteGradNorm, OptimizerArgs, WsdDecayStyle,
 };
 
 fn fixture_dir() -> PathBuf {
@@ -640,5 +640,64 @@ fn folded_clipping_equals_clip_then_step() -> Result<()> {
     assert_eq!(clip_coefficient(0.5, 1.0), None);
     assert_eq!(clip_coefficient(3.0, 0.0), None);
     assert!((clip_coefficient(3.0, 1.0).unwrap() - 1.0 / (3.0 + 1e-6)).abs() < 1e-15);
+    Ok(())
+}
+
+/// `prepare_step` (the optimizer's checks and table, done before the caller waits for the
+/// gradient norm) changes no bit of the step, and a step on other gradient tensors than the
+/// prepared ones checks them itself: a wrong shape is still the step's error.
+#[test]
+fn a_prepared_step_has_the_bits_of_an_unprepared_one() -> Result<()> {
+    let dev = Device::Cpu;
+    let single = vime_dist::SingleRank::default();
+    let mut rng = Rng::new(11);
+    let shapes: [(&str, &[usize]); 3] = [
+        ("model.norm.weight", &[6]),
+        ("model.layers.0.self_attn.q_proj.weight", &[4, 6]),
+        ("model.layers.0.mlp.down_proj.weight", &[6, 5]),
+    ];
+    let init: Vec<Tensor> = shapes
+        .iter()
+        .map(|(_, s)| rng.randn(s, 1.0, DType::BF16, &dev))
+        .collect::<candle_core::Result<_>>()?;
+    let grads: Vec<BTreeMap<String, Tensor>> = (0..3)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|(n, s)| Ok((n.to_string(), rng.randn(s, 1.0, DType::F32, &dev)?)))
+                .collect::<candle_core::Result<_>>()
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let args = OptimizerArgs {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let run = |prepare: bool| -> Result<Vec<Vec<u32>>> {
+        let params: Vec<(String, Var)> = shapes
+            .iter()
+            .zip(&init)
+            .map(|((n, _), t)| (n.to_string(), var(t.copy().unwrap())))
+            .collect();
+        let mut opt = DistributedAdamW::new(&params, &args, &single)?;
+        for g in &grads {
+            if prepare {
+                opt.prepare_step(g, &single, &single)?;
+            }
+            opt.step_stats_tp(g, None, 1e-2, 1.0, &single, &single)?;
+        }
+        Ok(params.iter().map(|(_, v)| bits(v.as_tensor())).collect())
+    };
+    assert_eq!(run(true)?, run(false)?, "the weights after three steps");
+    let params: Vec<(String, Var)> = shapes
+        .iter()
+        .zip(&init)
+        .map(|((n, _), t)| (n.to_string(), var(t.copy().unwrap())))
+        .collect();
+    let mut opt = DistributedAdamW::new(&params, &args, &single)?;
+    opt.prepare_step(&grads[0], &single, &single)?;
+    let mut bad = grads[0].clone();
+    bad.insert(shapes[1].0.to_string(), Tensor::zeros((6, 4), DType::F32, &dev)?);
+    let err = opt.step_stats_tp(&bad, None, 1e-2, 1.0, &single, &single).unwrap_err();
+    assert!(format!("{err:#}").contains("has shape [6, 4]"), "{err:#}");
     Ok(())
 }

@@ -70,6 +70,25 @@ pub struct AdamW {
     /// The one-launch CUDA update's table of state buffers, kept between steps.
     #[cfg(feature = "cuda")]
     table: vime_kernels::cuda::AdamwTable,
+    /// What [`AdamW::prepare_step`] checked and built, for the step that follows it.
+    prepared: Option<Prepared>,
+}
+
+/// The gradients [`AdamW::prepare_step`] checked (their tensor ids, in the map's order) and, on
+/// CUDA, the fused update's launch built for them, with the gradient tensors it points into (kept
+/// alive until the launch is queued).
+struct Prepared {
+    ids: Vec<candle_core::TensorId>,
+    #[cfg(feature = "cuda")]
+    launch: Option<vime_kernels::cuda::AdamwLaunch>,
+    #[cfg(feature = "cuda")]
+    _grads: Vec<Tensor>,
+}
+
+/// The ids of `grads`' tensors in the map's order: the same tensors (and so the same shapes)
+/// exactly when these are equal.
+pub(crate) fn grad_ids(grads: &BTreeMap<String, Tensor>) -> Vec<candle_core::TensorId> {
+    grads.values().map(Tensor::id).collect()
 }
 
 impl AdamW {
@@ -119,6 +138,7 @@ impl AdamW {
             num_steps: 0,
             #[cfg(feature = "cuda")]
             table: Default::default(),
+            prepared: None,
         })
     }
 
@@ -158,29 +178,8 @@ impl AdamW {
         self.params.iter().find(|p| p.name == name).map(ParamState::master)
     }
 
-    /// One AdamW step with learning rate `lr` on the (accumulated, clipped) gradients, keyed by
-    /// the same names as the parameters. Writes the new weights into the model's `Var`s.
-    pub fn step(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<StepStats> {
-        self.step_scaled(grads, lr, None)
-    }
-
-    /// [`Self::step`] on `grads * grad_scale` without a separate pass over the gradients: the
-    /// fused CUDA update multiplies as it loads, the CPU path scales first (the same f32
-    /// multiply, so the result is bit-identical to clipping first and then stepping).
-    pub fn step_scaled(
-        &mut self,
-        grads: &BTreeMap<String, Tensor>,
-        lr: f64,
-        grad_scale: Option<f64>,
-    ) -> Result<StepStats> {
-        if let Some(s) = grad_scale {
-            if !(s.is_finite() && s > 0.0) {
-                bail!("gradient scale must be finite and > 0, got {s}");
-            }
-        }
-        if !(lr.is_finite() && lr >= 0.0) {
-            bail!("learning rate must be finite and >= 0, got {lr}");
-        }
+    /// Every parameter has a gradient of its shape, and there is no other gradient.
+    fn check_grads(&self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
         for p in &self.params {
             let Some(g) = grads.get(&p.name) else {
                 bail!("no gradient for parameter {} {:?}", p.name, p.var.dims());
@@ -205,12 +204,82 @@ impl AdamW {
                 unknown.join(", ")
             );
         }
+        Ok(())
+    }
+
+    /// The host half of the next [`Self::step_scaled`] on these `grads`, done ahead: their checks
+    /// and, on CUDA, the fused update's table (built and its upload queued). A caller runs it
+    /// before it waits for the gradient norm, while the device is still busy with the backward;
+    /// the step then only launches. Same bits either way. A step on other gradient tensors than
+    /// the prepared ones does everything itself, as without it.
+    pub fn prepare_step(&mut self, grads: &BTreeMap<String, Tensor>) -> Result<()> {
+        self.prepared = None;
+        self.check_grads(grads)?;
+        #[cfg(feature = "cuda")]
+        let (launch, gs) = {
+            let fused: Vec<&ParamState> = self.params.iter().filter(|p| fused_cuda(p)).collect();
+            let gs = fused
+                .iter()
+                .map(|p| kernel_grad(&grads[&p.name]).with_context(|| format!("the gradient of {}", p.name)))
+                .collect::<Result<Vec<_>>>()?;
+            let ts = adamw_tensors(&fused, &gs);
+            let launch = vime_kernels::cuda::adamw_multi_prepare(&ts, &mut self.table).context("fused AdamW update")?;
+            (launch, gs)
+        };
+        self.prepared = Some(Prepared {
+            ids: grad_ids(grads),
+            #[cfg(feature = "cuda")]
+            launch,
+            #[cfg(feature = "cuda")]
+            _grads: gs,
+        });
+        Ok(())
+    }
+
+    /// One AdamW step with learning rate `lr` on the (accumulated, clipped) gradients, keyed by
+    /// the same names as the parameters. Writes the new weights into the model's `Var`s.
+    pub fn step(&mut self, grads: &BTreeMap<String, Tensor>, lr: f64) -> Result<StepStats> {
+        self.step_scaled(grads, lr, None)
+    }
+
+    /// [`Self::step`] on `grads * grad_scale` without a separate pass over the gradients: the
+    /// fused CUDA update multiplies as it loads, the CPU path scales first (the same f32
+    /// multiply, so the result is bit-identical to clipping first and then stepping).
+    pub fn step_scaled(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        lr: f64,
+        grad_scale: Option<f64>,
+    ) -> Result<StepStats> {
+        if let Some(s) = grad_scale {
+            if !(s.is_finite() && s > 0.0) {
+                bail!("gradient scale must be finite and > 0, got {s}");
+            }
+        }
+        if !(lr.is_finite() && lr >= 0.0) {
+            bail!("learning rate must be finite and >= 0, got {lr}");
+        }
+        // What `prepare_step` did for these very gradients is not done again.
+        let ids = self.prepared.as_ref().map(|_| grad_ids(grads));
+        let prepared = self.prepared.take().filter(|p| Some(&p.ids) == ids.as_ref());
+        if prepared.is_none() {
+            self.check_grads(grads)?;
+        }
 
         let t = self.num_steps + 1;
         let c = StepConsts::new(self.beta1, self.beta2, self.eps, self.weight_decay, t, lr, grad_scale);
         // Every CUDA parameter in one launch of the fused kernel; the rest (CPU) one by one.
         #[cfg(feature = "cuda")]
-        update_fused_all(&self.params, grads, &c, &mut self.table)?;
+        match prepared {
+            Some(Prepared { launch, .. }) => {
+                if let Some(l) = launch {
+                    l.launch(adam_consts(&c, c.decay(true))).context("fused AdamW update")?;
+                }
+            }
+            None => update_fused_all(&self.params, grads, &c, &mut self.table)?,
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = prepared;
         for p in self.params.iter_mut() {
             #[cfg(feature = "cuda")]
             if fused_cuda(p) {
@@ -267,6 +336,8 @@ impl AdamW {
     /// for bit with the run that saved them. Every tensor is checked (present, f32, shape, no
     /// unknown names) before anything changes.
     pub fn load_state_tensors(&mut self, map: &BTreeMap<String, Tensor>, num_steps: u64) -> Result<()> {
+        // A prepared launch points into the state buffers this replaces.
+        self.prepared = None;
         check_state_map(map, self.params.iter().map(|p| (p.name.as_str(), p.var.dims())))?;
         for p in self.params.iter_mut() {
             let load = |prefix: &str| -> Result<Tensor> {
@@ -429,9 +500,19 @@ fn update_fused_all(
         .iter()
         .map(|p| kernel_grad(&grads[&p.name]).with_context(|| format!("the gradient of {}", p.name)))
         .collect::<Result<Vec<_>>>()?;
-    let ts: Vec<vime_kernels::cuda::AdamwTensor<'_>> = fused
+    let ts = adamw_tensors(&fused, &gs);
+    // The decay applies to the tensors marked so: `keep` is theirs.
+    let k = adam_consts(c, c.decay(true));
+    vime_kernels::cuda::adamw_update_multi(&ts, k, table).context("fused AdamW update")?;
+    Ok(())
+}
+
+/// The fused kernel's view of `fused` parameters with their gradients `gs` (in that order).
+#[cfg(feature = "cuda")]
+fn adamw_tensors<'a>(fused: &[&'a ParamState], gs: &'a [Tensor]) -> Vec<vime_kernels::cuda::AdamwTensor<'a>> {
+    fused
         .iter()
-        .zip(&gs)
+        .zip(gs)
         .map(|(p, g)| vime_kernels::cuda::AdamwTensor {
             name: &p.name,
             master: p.master.as_ref().unwrap_or_else(|| p.var.as_tensor()),
@@ -441,11 +522,7 @@ fn update_fused_all(
             model: p.master.as_ref().map(|_| p.var.as_tensor()),
             decay: p.weight_decay,
         })
-        .collect();
-    // The decay applies to the tensors marked so: `keep` is theirs.
-    let k = adam_consts(c, c.decay(true));
-    vime_kernels::cuda::adamw_update_multi(&ts, k, table).context("fused AdamW update")?;
-    Ok(())
+        .collect()
 }
 
 /// Whether `p` takes the fused CUDA AdamW kernel: a CUDA parameter held in bf16 (separate f32

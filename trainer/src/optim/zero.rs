@@ -122,6 +122,8 @@ pub struct DistributedAdamW {
     padded_numel: usize,
     state: State,
     args: OptimizerArgs,
+    /// The gradients [`Self::prepare_step`] checked (their tensor ids), for the next step.
+    checked: Option<Vec<candle_core::TensorId>>,
 }
 
 impl DistributedAdamW {
@@ -223,6 +225,7 @@ impl DistributedAdamW {
             padded_numel,
             state,
             args: args.clone(),
+            checked: None,
         })
     }
 
@@ -324,6 +327,39 @@ impl DistributedAdamW {
     /// gradient's sum of squares (`grad_sum_squares` of `grads`) where the caller has them
     /// already (the trainer's NaN/Inf guard), used for the norm of an unsharded optimizer at TP 1
     /// instead of a second pass over the gradients; `None` computes them.
+    /// The host half of the next [`Self::step_stats_tp`] on these `grads`, done ahead while the
+    /// device is still busy: the gradients' checks and, for an unsharded optimizer, AdamW's
+    /// (`AdamW::prepare_step`: on CUDA the fused update's table, built and uploaded). Callers run
+    /// it before they wait for the gradient norm's sums of squares; that wait follows the
+    /// backward, and what the host did after it left the GPU idle (~0.3-0.45 ms of host time a
+    /// 0.6B step on an H100). The step then does not check these gradients again. Same bits.
+    pub fn prepare_step(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        dp: &dyn Collectives,
+        tp: &dyn Collectives,
+    ) -> Result<()> {
+        self.check_call(dp, tp)?;
+        self.check_grads(grads)?;
+        if let State::Whole(adamw) = &mut self.state {
+            adamw.prepare_step(grads)?;
+        }
+        self.checked = Some(super::adamw::grad_ids(grads));
+        Ok(())
+    }
+
+    fn check_call(&self, dp: &dyn Collectives, tp: &dyn Collectives) -> Result<()> {
+        ensure!(
+            tp.size() == self.layout.tp_size() && tp.rank() == self.layout.tp_rank(),
+            "the optimizer's layout is for TP rank {} of {}, called with rank {} of {}",
+            self.layout.tp_rank(),
+            self.layout.tp_size(),
+            tp.rank(),
+            tp.size()
+        );
+        self.check_group(dp)
+    }
+
     pub fn step_stats_tp(
         &mut self,
         grads: &BTreeMap<String, Tensor>,
@@ -333,16 +369,12 @@ impl DistributedAdamW {
         dp: &dyn Collectives,
         tp: &dyn Collectives,
     ) -> Result<ZeroStepStats> {
-        ensure!(
-            tp.size() == self.layout.tp_size() && tp.rank() == self.layout.tp_rank(),
-            "the optimizer's layout is for TP rank {} of {}, called with rank {} of {}",
-            self.layout.tp_rank(),
-            self.layout.tp_size(),
-            tp.rank(),
-            tp.size()
-        );
-        self.check_group(dp)?;
-        self.check_grads(grads)?;
+        self.check_call(dp, tp)?;
+        // Gradients `prepare_step` checked are not checked again.
+        let checked = self.checked.take();
+        if checked.is_none_or(|ids| ids != super::adamw::grad_ids(grads)) {
+            self.check_grads(grads)?;
+        }
         if !(lr.is_finite() && lr >= 0.0) {
             bail!("learning rate must be finite and >= 0, got {lr}");
         }
