@@ -104,7 +104,7 @@ struct SegState {
 
 enum State {
     /// dp = 1: the plain optimizer over whole parameters.
-    Whole(AdamW),
+    Whole(Box<AdamW>),
     Sharded {
         segs: Vec<SegState>,
         num_steps: u64,
@@ -191,9 +191,9 @@ impl DistributedAdamW {
                 .zip(&vars)
                 .map(|(p, v)| (p.name().to_string(), v.clone()))
                 .collect();
-            State::Whole(AdamW::with_weight_decay_rule(&ordered, args, |n, _| {
+            State::Whole(Box::new(AdamW::with_weight_decay_rule(&ordered, args, |n, _| {
                 layout.get(n).is_some_and(|p| p.entry.weight_decay)
-            })?)
+            })?))
         } else {
             let mut segs = Vec::new();
             for seg in layout.segments(shard.clone()) {
