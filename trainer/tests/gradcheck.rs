@@ -97,14 +97,7 @@ fn amax_warmup_scales_the_measured_pass_by_other_tensors_amaxes() {
     let tensorwise = run(Some(None), 0, "tw.safetensors").unwrap();
     let seeded = run(Some(Some(delayed)), 0, "d0.safetensors").unwrap();
     let warmed = run(Some(Some(delayed)), 2, "d2.safetensors").unwrap();
-    let bits = |t: &Tensor| {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-    };
+    let bits = |t: &Tensor| vime_kernels::testing::f32_values(t).unwrap();
     let (mut differs, mut worst_tw, mut worst_warm) = (false, 0f64, 0f64);
     for (name, t) in &tensorwise {
         assert_eq!(

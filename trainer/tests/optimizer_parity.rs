@@ -672,12 +672,15 @@ fn a_prepared_step_has_the_bits_of_an_unprepared_one() -> Result<()> {
         weight_decay: 0.1,
         ..Default::default()
     };
-    let run = |prepare: bool| -> Result<Vec<Vec<u32>>> {
-        let params: Vec<(String, Var)> = shapes
+    let fresh = || -> Vec<(String, Var)> {
+        shapes
             .iter()
             .zip(&init)
             .map(|((n, _), t)| (n.to_string(), var(t.copy().unwrap())))
-            .collect();
+            .collect()
+    };
+    let run = |prepare: bool| -> Result<Vec<Vec<u32>>> {
+        let params = fresh();
         let mut opt = DistributedAdamW::new(&params, &args, &single)?;
         for g in &grads {
             if prepare {
@@ -688,11 +691,7 @@ fn a_prepared_step_has_the_bits_of_an_unprepared_one() -> Result<()> {
         Ok(params.iter().map(|(_, v)| bits(v.as_tensor())).collect())
     };
     assert_eq!(run(true)?, run(false)?, "the weights after three steps");
-    let params: Vec<(String, Var)> = shapes
-        .iter()
-        .zip(&init)
-        .map(|((n, _), t)| (n.to_string(), var(t.copy().unwrap())))
-        .collect();
+    let params = fresh();
     let mut opt = DistributedAdamW::new(&params, &args, &single)?;
     opt.prepare_step(&grads[0], &single, &single)?;
     let mut bad = grads[0].clone();
