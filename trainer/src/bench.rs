@@ -492,10 +492,9 @@ pub fn run(args: &BenchArgs) -> Result<serde_json::Value> {
         opt.prepare_step(&grads, &dp, &single)?;
         let h1 = Instant::now();
         // Each gradient's sum of squares, queued behind the backward and read: the step's first
-        // wait for the device, so the host work above (the accumulator, the FP8 weights' frees)
-        // ran while the backward did. Before, a sync right after the backward (and the loss read
-        // inside it) left the GPU idle through that work: ~0.6 ms of a 0.6B step, ~1 ms under
-        // FP8. The sums go on to the optimizer's norm, as in the trainer's step.
+        // wait for the device, so the host work above (the accumulator, the FP8 weights' frees,
+        // the optimizer's preparation) ran while the backward did, not with the GPU idle after a
+        // sync. The sums go on to the optimizer's norm, as in the trainer's step.
         let squares = crate::optim::grad_sum_squares(&grads)?;
         let s1 = Instant::now();
         // The guard as `--nan-guard` asks.

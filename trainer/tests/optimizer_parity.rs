@@ -645,7 +645,9 @@ fn folded_clipping_equals_clip_then_step() -> Result<()> {
 
 /// `prepare_step` (the optimizer's checks and table, done before the caller waits for the
 /// gradient norm) changes no bit of the step, and a step on other gradient tensors than the
-/// prepared ones checks them itself: a wrong shape is still the step's error.
+/// prepared ones checks them itself: a wrong shape is still the step's error. On the CPU this
+/// covers the checks moved ahead and the step that skips them; the prepared CUDA launch's bits
+/// are checked on a GPU by `scripts/gpu/first_wait.sh` (equal final losses, deterministic mode).
 #[test]
 fn a_prepared_step_has_the_bits_of_an_unprepared_one() -> Result<()> {
     let dev = Device::Cpu;

@@ -1231,9 +1231,8 @@ impl Qwen3 {
         // Delayed FP8 scaling: this micro-batch's amaxes join the histories (queued; no sync).
         self.ctx.fp8_amax.commit()?;
         // The loss is not read here: reading it waits for the device, which then idles while the
-        // host does what comes next (read before the backward, ~0.4-0.8 ms a micro-batch at 4B
-        // in the timeline; read here, the 0.6B step's ~0.6 ms, ~1 ms under FP8, before the
-        // optimizer's first kernel). The callers read it once the next work is queued.
+        // host does what comes next (the next micro-batch, the optimizer's preparation). The
+        // callers read it once that work is queued.
         Ok((
             QueuedLoss::device(loss)?,
             Gradients {

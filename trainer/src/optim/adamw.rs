@@ -216,16 +216,7 @@ impl AdamW {
         self.prepared = None;
         self.check_grads(grads)?;
         #[cfg(feature = "cuda")]
-        let (launch, gs) = {
-            let fused: Vec<&ParamState> = self.params.iter().filter(|p| fused_cuda(p)).collect();
-            let gs = fused
-                .iter()
-                .map(|p| kernel_grad(&grads[&p.name]).with_context(|| format!("the gradient of {}", p.name)))
-                .collect::<Result<Vec<_>>>()?;
-            let ts = adamw_tensors(&fused, &gs);
-            let launch = vime_kernels::cuda::adamw_multi_prepare(&ts, &mut self.table).context("fused AdamW update")?;
-            (launch, gs)
-        };
+        let (launch, gs) = fused_launch(&self.params, grads, &mut self.table)?;
         self.prepared = Some(Prepared {
             ids: grad_ids(grads),
             #[cfg(feature = "cuda")]
@@ -260,8 +251,7 @@ impl AdamW {
             bail!("learning rate must be finite and >= 0, got {lr}");
         }
         // What `prepare_step` did for these very gradients is not done again.
-        let ids = self.prepared.as_ref().map(|_| grad_ids(grads));
-        let prepared = self.prepared.take().filter(|p| Some(&p.ids) == ids.as_ref());
+        let prepared = self.prepared.take().filter(|p| p.ids == grad_ids(grads));
         if prepared.is_none() {
             self.check_grads(grads)?;
         }
@@ -485,9 +475,8 @@ fn kernel_grad(g: &Tensor) -> Result<Tensor> {
     })
 }
 
-/// [`update_fused`] of every CUDA parameter of `params` in one kernel launch
-/// (`vime_kernels::cuda::adamw_update_multi`, the same bits as one launch each). The gradients'
-/// shapes were checked by the caller.
+/// [`update_fused`] of every CUDA parameter of `params` in one kernel launch ([`fused_launch`],
+/// the same bits as one launch each). The gradients' shapes were checked by the caller.
 #[cfg(feature = "cuda")]
 fn update_fused_all(
     params: &[ParamState],
@@ -495,16 +484,32 @@ fn update_fused_all(
     c: &StepConsts,
     table: &mut vime_kernels::cuda::AdamwTable,
 ) -> Result<()> {
+    // `_gs`: the gradients the launch reads, alive until it is queued.
+    let (launch, _gs) = fused_launch(params, grads, table)?;
+    if let Some(l) = launch {
+        // The decay applies to the tensors marked so: `keep` is theirs.
+        l.launch(adam_consts(c, c.decay(true))).context("fused AdamW update")?;
+    }
+    Ok(())
+}
+
+/// The one launch of the fused update of every CUDA parameter of `params` on `grads` (checked by
+/// the caller), its table built and uploaded, with the gradient tensors it reads (contiguous,
+/// f32 or bf16), which must stay alive until it is queued.
+#[cfg(feature = "cuda")]
+fn fused_launch(
+    params: &[ParamState],
+    grads: &BTreeMap<String, Tensor>,
+    table: &mut vime_kernels::cuda::AdamwTable,
+) -> Result<(Option<vime_kernels::cuda::AdamwLaunch>, Vec<Tensor>)> {
     let fused: Vec<&ParamState> = params.iter().filter(|p| fused_cuda(p)).collect();
     let gs = fused
         .iter()
         .map(|p| kernel_grad(&grads[&p.name]).with_context(|| format!("the gradient of {}", p.name)))
         .collect::<Result<Vec<_>>>()?;
-    let ts = adamw_tensors(&fused, &gs);
-    // The decay applies to the tensors marked so: `keep` is theirs.
-    let k = adam_consts(c, c.decay(true));
-    vime_kernels::cuda::adamw_update_multi(&ts, k, table).context("fused AdamW update")?;
-    Ok(())
+    let launch =
+        vime_kernels::cuda::adamw_multi_prepare(&adamw_tensors(&fused, &gs), table).context("fused AdamW update")?;
+    Ok((launch, gs))
 }
 
 /// The fused kernel's view of `fused` parameters with their gradients `gs` (in that order).

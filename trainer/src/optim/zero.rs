@@ -320,13 +320,6 @@ impl DistributedAdamW {
         self.step_stats_tp(grads, None, lr, clip_grad, dp, &vime_dist::SingleRank::default())
     }
 
-    /// [`Self::step_stats`] of a tensor-parallel shard (`grads` of this TP rank's shards, the
-    /// layout built for its TP place): the global norm sums the squares of the TP-split
-    /// parameters over `tp` and counts the replicated ones once (they are equal on every TP
-    /// rank), so every rank clips by the norm of the whole model's gradient. `squares`: each
-    /// gradient's sum of squares (`grad_sum_squares` of `grads`) where the caller has them
-    /// already (the trainer's NaN/Inf guard), used for the norm of an unsharded optimizer at TP 1
-    /// instead of a second pass over the gradients; `None` computes them.
     /// The host half of the next [`Self::step_stats_tp`] on these `grads`, done ahead while the
     /// device is still busy: the gradients' checks and, for an unsharded optimizer, AdamW's
     /// (`AdamW::prepare_step`: on CUDA the fused update's table, built and uploaded). Callers run
@@ -360,6 +353,13 @@ impl DistributedAdamW {
         self.check_group(dp)
     }
 
+    /// [`Self::step_stats`] of a tensor-parallel shard (`grads` of this TP rank's shards, the
+    /// layout built for its TP place): the global norm sums the squares of the TP-split
+    /// parameters over `tp` and counts the replicated ones once (they are equal on every TP
+    /// rank), so every rank clips by the norm of the whole model's gradient. `squares`: each
+    /// gradient's sum of squares (`grad_sum_squares` of `grads`) where the caller has them
+    /// already (the trainer's NaN/Inf guard), used for the norm of an unsharded optimizer at TP 1
+    /// instead of a second pass over the gradients; `None` computes them.
     pub fn step_stats_tp(
         &mut self,
         grads: &BTreeMap<String, Tensor>,
@@ -371,8 +371,7 @@ impl DistributedAdamW {
     ) -> Result<ZeroStepStats> {
         self.check_call(dp, tp)?;
         // Gradients `prepare_step` checked are not checked again.
-        let checked = self.checked.take();
-        if checked.is_none_or(|ids| ids != super::adamw::grad_ids(grads)) {
+        if self.checked.take() != Some(super::adamw::grad_ids(grads)) {
             self.check_grads(grads)?;
         }
         if !(lr.is_finite() && lr >= 0.0) {

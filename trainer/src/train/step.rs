@@ -409,13 +409,13 @@ fn optimizer_step(
             *g = cfg.cp.all_reduce(g, vime_dist::ReduceOp::Sum)?;
         }
     }
+    // The optimizer's checks and (on CUDA) its fused update's table, built while the backward
+    // runs; after the wait below only the norm, clipping and the launch are left.
+    opt.prepare_step(&grads, cfg.dp, cfg.tp)?;
     // Each gradient's sum of squares, once, queued behind the backward: the guard reads them here
     // and the optimizer's norm below. Their copy is the step's first wait for the device (the
     // metrics' read below then waits for nothing), so the host work since the last micro-batch
     // was queued ran while the backward did, instead of with the GPU idle after a read.
-    // The optimizer's checks and (on CUDA) its fused update's table, built while the backward
-    // runs; after the wait below only the norm, clipping and the launch are left.
-    opt.prepare_step(&grads, cfg.dp, cfg.tp)?;
     let squares = crate::optim::grad_sum_squares(&grads)?;
     pending.read_into(&mut report.metrics)?;
     // The NaN/Inf guard's flag (see the module docs), one key per rank so that every rank learns
