@@ -1535,6 +1535,29 @@ extern "C" __global__ void vime_swiglu_packed(const bf16* __restrict__ gu, bf16*
 }
 
 // ------------------------------------------------------------------------------------------------
+// Row gather: out[r] = src[idx[r]] for r < rows, in 16-byte units (any dtype whose row is a
+// multiple of 16 bytes; src and out 16-byte aligned: the Rust side checks). An index at or past
+// src_rows gives a row of zeros. candle's index_select gives each 2-byte element a thread that
+// divides its flat index three ways; here a block walks rows and its threads a row's 16-byte
+// words.
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void vime_gather_rows16(uint4* __restrict__ out, const uint4* __restrict__ src,
+                                              const unsigned int* __restrict__ idx, unsigned int rows,
+                                              unsigned int src_rows, unsigned int width16) {
+    for (unsigned int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const unsigned int j = idx[r];
+        uint4* o = out + (unsigned long long)r * width16;
+        if (j < src_rows) {
+            const uint4* s = src + (unsigned long long)j * width16;
+            for (unsigned int c = threadIdx.x; c < width16; c += blockDim.x) o[c] = s[c];
+        } else {
+            const uint4 zero = {0u, 0u, 0u, 0u};
+            for (unsigned int c = threadIdx.x; c < width16; c += blockDim.x) o[c] = zero;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Context parallelism's key-gradient scatter: out[index[j]] += src[j] over j in order, into zeros
 // (candle's `zeros.index_add(index, src, 0)`). candle's kernel gives each of the row's `width`
 // elements one thread that walks every j (1,024 threads for 8 KV heads, each ~10k dependent

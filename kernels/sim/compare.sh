@@ -26,6 +26,10 @@ if grep -q "vime_widen_add_multi" "$root/kernels/cuda/ops.cu"; then
     g++ "${flags[@]}" "$here/check_widen_add.cpp" -o "$tmp/widen_add"
     "$tmp/widen_add"
 fi
+if grep -q "vime_gather_rows16" "$root/kernels/cuda/ops.cu"; then
+    g++ "${flags[@]}" "$here/check_gather_rows.cpp" -o "$tmp/gather_rows"
+    "$tmp/gather_rows"
+fi
 "$tmp/base" "$tmp/base.bin" 2>"$tmp/base.log"
 "$tmp/head" "$tmp/head.bin" 2>"$tmp/head.log"
 python3 - "$tmp/base.bin" "$tmp/head.bin" "$tmp/head.log" "$base" <<'PY'

@@ -1,4 +1,6 @@
-//! In-place row writes into a pool tensor (the KV cache's append): `pool[rows[r]] = src[r]`.
+//! Row moves: in-place row writes into a pool tensor (the KV cache's append: `pool[rows[r]] =
+//! src[r]`), row gathers (`out[r] = src[index[r]]`: the embedding lookup, context parallelism's key
+//! gathers, the engine's cached keys) and context parallelism's key-gradient scatter-add.
 use candle_core::{bail, DType, Result, Tensor};
 
 /// Writes row `r` of `src` (`[n, width]`) to row `rows[r]` of `pool` (`[capacity, width]`, same
@@ -60,6 +62,34 @@ pub fn write_rows2(k_pool: &Tensor, v_pool: &Tensor, rows: &Tensor, k: &Tensor, 
     }
     write_rows(k_pool, rows, &k.contiguous()?.reshape((n, width))?)?;
     write_rows(v_pool, rows, &v.contiguous()?.reshape((n, width))?)
+}
+
+/// `src[index[r]]` for each r: `[n, ...]` from `src` `[rows, ...]`, candle's
+/// `src.index_select(index, 0)` (the same values). `index` is on the host; an index at or past
+/// `src`'s rows is an error that names it. On CUDA (bf16, f16 or f32, rows a whole number of
+/// 16-byte words) one kernel whose blocks copy whole rows, the rows uploaded once for repeated
+/// calls with the same rows (a layer loop's); elsewhere candle's `index_select`.
+pub fn gather_rows(src: &Tensor, index: &[u32]) -> Result<Tensor> {
+    let rows = src.dim(0)?;
+    if let Some((r, &i)) = index.iter().enumerate().find(|(_, &i)| i as usize >= rows) {
+        bail!("gather_rows: index {r} is row {i}, past the source's {rows} rows");
+    }
+    #[cfg(feature = "cuda")]
+    if crate::cuda::gather_rows_fits(src)? {
+        return crate::cuda::gather_rows(src, crate::cuda::GatherIndex::Host(index));
+    }
+    src.index_select(&Tensor::from_slice(index, index.len(), src.device())?, 0)
+}
+
+/// [`gather_rows`] with the rows already on `src`'s device (`index`: `[n]` u32). They are not
+/// checked against `src`'s rows: on the CUDA kernel's path an index past them gives a row of
+/// zeros, on candle's whatever its `index_select` does.
+pub fn gather_rows_dev(src: &Tensor, index: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if index.dtype() == DType::U32 && crate::cuda::gather_rows_fits(src)? {
+        return crate::cuda::gather_rows(src, crate::cuda::GatherIndex::Device(&index.contiguous()?));
+    }
+    src.index_select(index, 0)
 }
 
 /// `out[index[j]] += src[j]` for every j in order, into zeros of `dst_rows` rows: candle's
@@ -150,6 +180,25 @@ mod tests {
         assert!(e.contains("index 5 is row 5, past the 5 destination rows"), "{e}");
         let e = index_add_rows(&src, &[0, 1], 5).unwrap_err().to_string();
         assert!(e.contains("2 indices for 6 source rows"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn gather_rows_takes_whole_rows_in_index_order_and_names_a_row_past_the_source() -> Result<()> {
+        // Source row j is 4j .. 4j + 3 (as [2, 2]).
+        let src = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((6, 2, 2))?;
+        let got = gather_rows(&src, &[5, 0, 5, 2])?;
+        assert_eq!(got.dims(), &[4, 2, 2]);
+        let want: Vec<f32> = [5u32, 0, 5, 2]
+            .iter()
+            .flat_map(|&j| (0..4).map(move |c| (4 * j + c) as f32))
+            .collect();
+        assert_eq!(got.flatten_all()?.to_vec1::<f32>()?, want);
+        let dev_index = Tensor::new(&[5u32, 0, 5, 2], &Device::Cpu)?;
+        assert_eq!(gather_rows_dev(&src, &dev_index)?.flatten_all()?.to_vec1::<f32>()?, want);
+        assert_eq!(gather_rows(&src, &[])?.dims(), &[0, 2, 2]);
+        let e = gather_rows(&src, &[1, 6]).unwrap_err().to_string();
+        assert!(e.contains("index 1 is row 6, past the source's 6 rows"), "{e}");
         Ok(())
     }
 }

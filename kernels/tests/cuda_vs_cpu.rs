@@ -208,6 +208,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_sum_squares(&gpu, &mut rng, &mut failures)?;
     check_embedding_backward(&gpu, &mut rng, &mut failures)?;
     check_index_add_rows(&gpu, &mut rng, &mut failures)?;
+    check_gather_rows(&gpu, &mut rng, &mut failures)?;
     check_lm_head_into(&gpu, &mut rng, &mut failures)?;
     check_lm_head_bf16_logits(&gpu, &mut rng, &mut failures)?;
     check_weight_grad_into(&gpu, &mut rng, &mut failures)?;
@@ -215,7 +216,7 @@ fn every_op_on_cuda_matches_the_cpu_kernel() -> Result<()> {
     check_qk_norm_rope_backward(&gpu, &mut rng, &mut failures)?;
     check_fp8(&gpu, &mut rng, &mut failures)?;
     check_fp8_delayed(&gpu, &mut rng, &mut failures)?;
-    checks += 11;
+    checks += 12;
 
     println!(
         "CHECK_KERNELS VERDICT: {} ({} checks vs the CPU kernels, bf16, rel err bound {TOL:e}; AdamW bit-exact)",
@@ -732,6 +733,31 @@ fn timings_at_qwen3_4b_shapes() -> Result<()> {
         vime_kernels::rows::index_add_rows(&src, &index, 8192).map(|_| ())
     })?;
     println!("TIME cp_key_grad_scatter 10240x8x128_to_8192 candle_index_add_ms {candle_ms:.4} index_add_rows_ms {vime_ms:.4}");
+    // Row gathers: candle's index_select against vime's gather_rows, at the Qwen3-4B embedding
+    // lookup (8192 ids of 151,936 rows of 2560), CP 2's key gather (one K or V of one layer) and
+    // a built-in-engine prefill's cached keys (32k rows of 8 x 128).
+    let embed = rng.randn(&[151_936, 2560], 0.02, bf, &gpu)?;
+    let ids: Vec<u32> = (0..8192u32).map(|i| (i * 7919) % 151_936).collect();
+    let keys = rng.randn(&[16_384, 8, 128], 1.0, bf, &gpu)?;
+    let pool_rows: Vec<u32> = (0..32_768u32).map(|i| (i * 40_503) % 65_536).collect();
+    let pool = rng.randn(&[65_536, 1024], 1.0, bf, &gpu)?;
+    for (what, src, index) in [
+        ("embedding_4b 8192_of_151936x2560", &embed, ids),
+        ("cp2_keys 10240_of_16384x8x128", &keys, cp2_key_index()),
+        ("engine_prefill 32768_of_65536x1024", &pool, pool_rows),
+    ] {
+        let dev_index = Tensor::new(index.as_slice(), &gpu)?;
+        let candle_ms = median_ms(&gpu, 20, &mut || src.index_select(&dev_index, 0).map(|_| ()))?;
+        let vime_ms = median_ms(&gpu, 20, &mut || {
+            vime_kernels::rows::gather_rows(src, &index).map(|_| ())
+        })?;
+        let gb = (2 * index.len() * src.elem_count() / src.dim(0)? * 2) as f64 / 1e9;
+        println!(
+            "TIME gather_rows {what} candle_index_select_ms {candle_ms:.4} gather_rows_ms {vime_ms:.4} ({:.2} / {:.2} TB/s)",
+            gb / candle_ms,
+            gb / vime_ms
+        );
+    }
     // (uneven: 3000 + 1096 tokens, the ragged layout on cuDNN)
     for (seqs, len) in [(1usize, 4096usize), (2, 2048), (1, 8192), (2, 0)] {
         let cu: Arc<[u32]> = if len == 0 {
@@ -1191,6 +1217,100 @@ fn check_index_add_rows(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>)
             ));
         }
     }
+    Ok(())
+}
+
+/// The row gather (`rows::gather_rows`, `gather_rows_dev`) against candle's `index_select` on the
+/// device, bit for bit: bf16 at CP 2's key gather ([`cp2_key_index`], 8 KV heads) with host and
+/// device rows; f32 and f16 rows with repeated and descending indices; a row of 24 bytes (not a
+/// whole number of 16-byte words) and a view one element off a 16-byte boundary (candle's path);
+/// no rows at all; an index past the rows (an error naming it on the host, zeros from the device
+/// kernel).
+fn check_gather_rows(gpu: &Device, rng: &mut Rng, failures: &mut Vec<String>) -> Result<()> {
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        let t = t.flatten_all()?.to_device(&Device::Cpu)?;
+        Ok(match t.dtype() {
+            DType::BF16 => t.to_vec1::<half::bf16>()?.iter().map(|x| x.to_bits() as u32).collect(),
+            DType::F16 => t.to_vec1::<half::f16>()?.iter().map(|x| x.to_bits() as u32).collect(),
+            _ => t
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+        })
+    };
+    let mut cases = 0usize;
+    let mut same = |what: String, got: &Tensor, want: &Tensor, failures: &mut Vec<String>| -> Result<()> {
+        cases += 1;
+        if got.dims() != want.dims() || bits(got)? != bits(want)? {
+            failures.push(format!(
+                "gather_rows {what}: dims {:?} against index_select's {:?}, or other bits",
+                got.dims(),
+                want.dims()
+            ));
+        }
+        Ok(())
+    };
+    let index = cp2_key_index();
+    let keys = rng.randn(&[16_384, 8, 128], 1.0, DType::BF16, gpu)?;
+    let ids = Tensor::new(index.as_slice(), gpu)?;
+    let want = keys.index_select(&ids, 0)?;
+    same(
+        "CP 2 keys (host rows)".into(),
+        &vime_kernels::rows::gather_rows(&keys, &index)?,
+        &want,
+        failures,
+    )?;
+    same(
+        "CP 2 keys (device rows)".into(),
+        &vime_kernels::rows::gather_rows_dev(&keys, &ids)?,
+        &want,
+        failures,
+    )?;
+    let small: Vec<u32> = vec![5, 5, 0, 4, 3, 2, 1, 0, 5];
+    let small_ids = Tensor::new(small.as_slice(), gpu)?;
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        for width in [4usize, 8, 12, 264] {
+            let src = rng.randn(&[6, width], 1.0, DType::F32, gpu)?.to_dtype(dt)?;
+            let got = vime_kernels::rows::gather_rows(&src, &small)?;
+            same(
+                format!("{dt:?} [6, {width}]"),
+                &got,
+                &src.index_select(&small_ids, 0)?,
+                failures,
+            )?;
+        }
+    }
+    let wide = rng.randn(&[6 * 16 + 1], 1.0, DType::BF16, gpu)?;
+    let view = wide.narrow(0, 1, 96)?.reshape((6, 16))?;
+    same(
+        "a view off a 16-byte boundary".into(),
+        &vime_kernels::rows::gather_rows(&view, &small)?,
+        &view.contiguous()?.index_select(&small_ids, 0)?,
+        failures,
+    )?;
+    let none = vime_kernels::rows::gather_rows(&keys, &[])?;
+    if none.dims() != [0, 8, 128] {
+        failures.push(format!("gather_rows of no rows: dims {:?}", none.dims()));
+    }
+    match vime_kernels::rows::gather_rows(&keys, &[3, 16_384]) {
+        Err(e) if e.to_string().contains("index 1 is row 16384") => {}
+        other => failures.push(format!(
+            "gather_rows past the rows: {:?}",
+            other.map(|t| t.dims().to_vec())
+        )),
+    }
+    let past = Tensor::new(&[2u32, 16_384, 7], gpu)?;
+    let got = vime_kernels::rows::gather_rows_dev(&keys, &past)?.to_dtype(DType::F32)?;
+    let zero_row = got.get(1)?.abs()?.sum_all()?.to_scalar::<f32>()?;
+    let kept = max_abs_diff(&got.get(2)?, &keys.get(7)?.to_dtype(DType::F32)?)?;
+    if zero_row != 0.0 || kept != 0.0 {
+        failures.push(format!(
+            "gather_rows_dev past the rows: that row sums to {zero_row} (want 0), the next differs by {kept}"
+        ));
+    }
+    println!("gather_rows: {cases} cases bit-equal to index_select checked, plus no rows and rows past the source");
     Ok(())
 }
 

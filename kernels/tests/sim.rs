@@ -6,6 +6,8 @@
 //!   the GPU kernel check finds), the 16-byte RMSNorm forward against a double reference;
 //! - `check_adamw_multi.cpp`: the one-launch AdamW against one launch per tensor, 3 steps;
 //! - `check_widen_add.cpp`: bf16 gradients into f32 sums in one launch against cast and add;
+//! - `check_gather_rows.cpp`: the row gather against a host gather, byte for byte (odd widths,
+//!   repeated and out-of-range indices, blocks that loop);
 //! - `check_lmhead_stats.cpp`: the LM head's grouped statistics against a double log-softmax and
 //!   entropy (rescaling, tails, misaligned rows, chunk remainders); its bf16-logits kernels against
 //!   the f32 ones on the same values, bit for bit;
@@ -62,6 +64,11 @@ fn one_launch_adamw_equals_one_launch_per_tensor_in_the_simulator() {
 #[test]
 fn one_launch_widening_equals_cast_and_add_in_the_simulator() {
     run_sim("check_widen_add.cpp", "WIDEN ADD MULTI: PASS");
+}
+
+#[test]
+fn the_row_gather_equals_a_host_gather_in_the_simulator() {
+    run_sim("check_gather_rows.cpp", "GATHER ROWS: PASS");
 }
 
 #[test]

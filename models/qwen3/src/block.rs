@@ -817,9 +817,10 @@ impl Block {
                 cu_k.push(idx.len() as u32);
             }
             let (cu_q, cu_k): (Arc<[u32]>, Arc<[u32]>) = (cu_q.into(), cu_k.into());
-            let keys = idx.len();
-            let index = Tensor::from_vec(idx, keys, x.device())?;
-            let (kc, vc) = (kr.index_select(&index, 0)?, v.index_select(&index, 0)?);
+            let (kc, vc) = (
+                vime_kernels::rows::gather_rows(&kr, &idx)?,
+                vime_kernels::rows::gather_rows(&v, &idx)?,
+            );
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));
             let o = linear_scoring(self.weight(ctx, Proj::O), &attn.reshape((n, ctx.q_heads * d))?, None)?;

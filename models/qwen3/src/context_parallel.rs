@@ -19,7 +19,7 @@
 //!   loss that is a sum over tokens is the sum of the ranks' local losses.
 use crate::batch::PackedBatch;
 use anyhow::{anyhow, ensure, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use std::sync::Arc;
 use vime_dist::{Collectives, ReduceOp};
 use vime_kernels::lm_head::IGNORE_TARGET;
@@ -123,7 +123,7 @@ impl CpShard {
         ensure!(shards.len() == locals.len(), "one local tensor per CP rank");
         let all = Tensor::cat(locals, 0)?;
         let index = Self::global_rows(shards, global_tokens)?;
-        Ok(all.index_select(&Tensor::from_vec(index, global_tokens, all.device())?, 0)?)
+        Ok(vime_kernels::rows::gather_rows(&all, &index)?)
     }
 
     /// Every rank's per-token values (`local`: `[T_local, ..]` on this rank) in the global batch's
@@ -140,7 +140,7 @@ impl CpShard {
         };
         let n = global.num_tokens();
         let index = Self::global_rows(&shards, n)?;
-        Ok(all.index_select(&Tensor::from_vec(index, n, all.device())?, 0)?)
+        Ok(vime_kernels::rows::gather_rows(&all, &index)?)
     }
 
     /// For each global token, its row in the rank-major concatenation of the ranks' local batches.
@@ -173,15 +173,11 @@ impl CpShard {
         global_positions.iter().map(|p| at.get(p).copied()).collect()
     }
 
-    fn index(&self, device: &Device) -> Result<Tensor> {
-        Ok(Tensor::from_slice(&self.kv_index, self.kv_index.len(), device)?)
-    }
-
     /// The keys (or values) each local query chunk attends: `[sum_k, heads, d]` from this rank's
     /// `[T_local, heads, d]`, through an all-gather over `cp`.
     pub(crate) fn gather_keys(&self, local: &Tensor, cp: &dyn Collectives) -> Result<Tensor> {
         let all = cp.all_gather(&local.contiguous()?)?;
-        Ok(all.index_select(&self.index(local.device())?, 0)?)
+        Ok(vime_kernels::rows::gather_rows(&all, &self.kv_index)?)
     }
 
     /// The gradient of [`Self::gather_keys`]: `d_keys [sum_k, heads, d]` back to this rank's

@@ -411,8 +411,8 @@ impl KvCache {
         let n = rows.read.dim(0)?;
         let shape = (n, self.num_kv_heads, self.head_dim);
         Ok((
-            kp.index_select(&rows.read, 0)?.reshape(shape)?,
-            vp.index_select(&rows.read, 0)?.reshape(shape)?,
+            vime_kernels::rows::gather_rows_dev(kp, &rows.read)?.reshape(shape)?,
+            vime_kernels::rows::gather_rows_dev(vp, &rows.read)?.reshape(shape)?,
         ))
     }
 }

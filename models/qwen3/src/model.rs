@@ -672,6 +672,12 @@ impl Qwen3 {
     }
 
     pub(crate) fn embed_tokens(&self, batch: &PackedBatch, track: bool) -> Result<Tensor> {
+        if !track {
+            return Ok(vime_kernels::rows::gather_rows(
+                &w(&self.embed, false),
+                &batch.input_ids,
+            )?);
+        }
         let ids = Tensor::from_slice(&batch.input_ids, batch.num_tokens(), self.device())?;
         Ok(w(&self.embed, track).embedding(&ids)?)
     }
@@ -737,9 +743,8 @@ impl Qwen3 {
             })
             .unzip();
         let n = local.len();
-        let ids = Tensor::from_slice(&local, n, self.device())?;
         let mask = Tensor::from_vec(mask, (n, 1), self.device())?.to_dtype(self.dtype())?;
-        let x = w(&self.embed, false).embedding(&ids)?.broadcast_mul(&mask)?;
+        let x = vime_kernels::rows::gather_rows(&w(&self.embed, false), &local)?.broadcast_mul(&mask)?;
         // With sequence parallelism the sum lands on each rank's token slice (a reduce-scatter).
         let x = if self.ctx.sequence_parallel {
             tp.reduce_scatter(&x, ReduceOp::Sum)?
