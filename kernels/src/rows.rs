@@ -195,7 +195,10 @@ mod tests {
             .collect();
         assert_eq!(got.flatten_all()?.to_vec1::<f32>()?, want);
         let dev_index = Tensor::new(&[5u32, 0, 5, 2], &Device::Cpu)?;
-        assert_eq!(gather_rows_dev(&src, &dev_index)?.flatten_all()?.to_vec1::<f32>()?, want);
+        assert_eq!(
+            gather_rows_dev(&src, &dev_index)?.flatten_all()?.to_vec1::<f32>()?,
+            want
+        );
         assert_eq!(gather_rows(&src, &[])?.dims(), &[0, 2, 2]);
         let e = gather_rows(&src, &[1, 6]).unwrap_err().to_string();
         assert!(e.contains("index 1 is row 6, past the source's 6 rows"), "{e}");

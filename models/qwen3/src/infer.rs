@@ -473,12 +473,11 @@ impl Qwen3 {
         for (&(slot, toks), &p) in seqs.iter().zip(&past) {
             cache.reserve(slot, p + toks.len())?;
         }
-        let t = ids.len();
         let positions: Arc<[u32]> = positions.into();
         let (cu_q, cu_k): (Arc<[u32]>, Arc<[u32]>) = (cu_q.into(), cu_k.into());
 
-        let ids = Tensor::from_vec(ids, t, self.device())?;
-        let mut x = w(&self.embed, false).embedding(&ids)?;
+        // The host ids are bounds-checked again here (the engine checks requests first).
+        let mut x = vime_kernels::rows::gather_rows(&w(&self.embed, false), &ids)?;
         let calls: Vec<(usize, usize, usize)> = seqs
             .iter()
             .zip(&past)
@@ -700,7 +699,11 @@ impl Qwen3 {
                 cu_seqlens_q: &cu_q,
                 cu_seqlens_k: &cu_k,
             };
-            let x = self.cached_layers(w(&self.embed, false).embedding(&ids_t)?, &positions, &attention)?;
+            let x = self.cached_layers(
+                vime_kernels::rows::gather_rows_dev(&w(&self.embed, false), &ids_t)?,
+                &positions,
+                &attention,
+            )?;
             let y = rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?;
             Ok(out_t.slice_set(&y, 0, 0)?)
         };
