@@ -805,22 +805,22 @@ impl Block {
             let qr = rope(&rms_norm(&q, &dw(&self.q_norm), eps)?, &pos, ctx.rope_theta)?;
             drop(q);
             // Each sequence overlapping [a, b): its queries there, its keys from its start to b.
-            let (mut cu_q, mut cu_k, mut idx) = (vec![0u32], vec![0u32], Vec::new());
+            // The sequences are packed back to back, so those keys are the one run of rows from
+            // the first such sequence's start to b: a view of the keys, not a copy.
+            let (mut cu_q, mut cu_k, mut k0) = (vec![0u32], vec![0u32], None);
             for w in cu_seqlens.windows(2) {
                 let (start, end) = (w[0] as usize, w[1] as usize);
                 let (qs, qe) = (start.max(a), end.min(b));
                 if qs >= qe {
                     continue;
                 }
+                let k0 = *k0.get_or_insert(start);
                 cu_q.push(cu_q.last().unwrap() + (qe - qs) as u32);
-                idx.extend(start as u32..qe as u32);
-                cu_k.push(idx.len() as u32);
+                cu_k.push((qe - k0) as u32);
             }
+            let k0 = k0.unwrap_or(b);
             let (cu_q, cu_k): (Arc<[u32]>, Arc<[u32]>) = (cu_q.into(), cu_k.into());
-            let (kc, vc) = (
-                vime_kernels::rows::gather_rows(&kr, &idx)?,
-                vime_kernels::rows::gather_rows(&v, &idx)?,
-            );
+            let (kc, vc) = (kr.narrow(0, k0, b - k0)?, v.narrow(0, k0, b - k0)?);
             let attn = varlen_attention(&qr, &kc, &vc, &cu_q, &cu_k, ctx.softmax_scale(), &ctx.kernels)?;
             drop((qr, kc, vc));
             let o = linear_scoring(self.weight(ctx, Proj::O), &attn.reshape((n, ctx.q_heads * d))?, None)?;
