@@ -699,11 +699,7 @@ impl Qwen3 {
                 cu_seqlens_q: &cu_q,
                 cu_seqlens_k: &cu_k,
             };
-            let x = self.cached_layers(
-                vime_kernels::rows::gather_rows_dev(&w(&self.embed, false), &ids_t)?,
-                &positions,
-                &attention,
-            )?;
+            let x = self.cached_layers(w(&self.embed, false).embedding(&ids_t)?, &positions, &attention)?;
             let y = rms_norm(&x, &w(&self.norm, false), c.rms_norm_eps)?;
             Ok(out_t.slice_set(&y, 0, 0)?)
         };
