@@ -2639,7 +2639,9 @@ pub(crate) fn gather_rows_fits(src: &Tensor) -> Result<bool> {
         return Ok(false);
     }
     let row_bytes = src.elem_count() / rows * src.dtype().size_in_bytes();
-    Ok(row_bytes % 16 == 0 && row_bytes / 16 <= u32::MAX as usize && row_bytes_addr(src, "gather_rows")? % 16 == 0)
+    Ok(row_bytes.is_multiple_of(16)
+        && row_bytes / 16 <= u32::MAX as usize
+        && row_bytes_addr(src, "gather_rows")?.is_multiple_of(16))
 }
 
 /// [`crate::rows::gather_rows`] on the device, for a `src` that [`gather_rows_fits`]: row `r` of
