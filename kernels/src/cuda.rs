@@ -2613,63 +2613,50 @@ pub(crate) fn index_add_rows(src: &Tensor, csr: &[u32], dst_rows: usize, width: 
     Ok(device_tensor(out, &dev, (dst_rows, width)))
 }
 
-/// The device address of a contiguous tensor's first element, in bytes, for the dtypes the
-/// row gather takes (bf16, f16, f32).
-fn row_bytes_addr(t: &Tensor, what: &str) -> Result<u64> {
-    match t.dtype() {
-        DType::BF16 => tensor_addr::<bf16>(t, what),
-        DType::F16 => tensor_addr::<half::f16>(t, what),
-        DType::F32 => tensor_addr::<f32>(t, what),
-        d => bail!("{what}: no CUDA row gather for {d:?}"),
-    }
-}
-
-/// Whether [`gather_rows`] takes `src`: on a CUDA device, bf16, f16 or f32, contiguous, at least
-/// one row, rows a whole number of 16-byte words, the first element 16-byte aligned.
-pub(crate) fn gather_rows_fits(src: &Tensor) -> Result<bool> {
-    if !src.device().is_cuda()
-        || !matches!(src.dtype(), DType::BF16 | DType::F16 | DType::F32)
-        || src.rank() == 0
-        || !src.is_contiguous()
-    {
-        return Ok(false);
-    }
-    let rows = src.dim(0)?;
-    if rows == 0 || src.elem_count() == 0 {
-        return Ok(false);
-    }
-    let row_bytes = src.elem_count() / rows * src.dtype().size_in_bytes();
-    Ok(row_bytes.is_multiple_of(16)
-        && row_bytes / 16 <= u32::MAX as usize
-        && row_bytes_addr(src, "gather_rows")?.is_multiple_of(16))
-}
-
-/// [`crate::rows::gather_rows`] on the device, for a `src` that [`gather_rows_fits`]: row `r` of
-/// the result is row `idx[r]` of `src` (zeros for an index past its rows). `idx`: `n` u32 on the
-/// device (`GatherIndex::Device`) or on the host (`GatherIndex::Host`, uploaded through the upload cache,
-/// so that a layer loop passing the same rows again uploads them once).
-pub(crate) fn gather_rows(src: &Tensor, idx: GatherIndex<'_>) -> Result<Tensor> {
-    match src.dtype() {
-        DType::BF16 => gather_rows_t::<bf16>(src, idx),
-        DType::F16 => gather_rows_t::<half::f16>(src, idx),
-        DType::F32 => gather_rows_t::<f32>(src, idx),
-        d => bail!("gather_rows: no CUDA row gather for {d:?}"),
-    }
-}
-
-/// The rows [`gather_rows`] takes.
+/// The rows [`gather_rows`] takes: on the host (uploaded through the upload cache, so that a
+/// layer loop passing the same rows again uploads them once) or on the device (u32).
 pub(crate) enum GatherIndex<'a> {
     Host(&'a [u32]),
     Device(&'a Tensor),
 }
 
+/// [`crate::rows::gather_rows`] on the device: row `r` of the result is row `idx[r]` of `src`
+/// (zeros for an index past its rows), or `None` when the kernel does not take `src` or `idx`
+/// (the caller then runs candle's `index_select`). It takes a contiguous bf16, f16 or f32 `src`
+/// on a CUDA device with at least one row, rows a whole number of 16-byte words and its first
+/// element 16-byte aligned, and host rows or u32 device rows.
+pub(crate) fn gather_rows(src: &Tensor, idx: GatherIndex<'_>) -> Result<Option<Tensor>> {
+    if !src.device().is_cuda() || src.rank() == 0 || !src.is_contiguous() || src.elem_count() == 0 {
+        return Ok(None);
+    }
+    if let GatherIndex::Device(t) = idx {
+        if t.dtype() != DType::U32 {
+            return Ok(None);
+        }
+    }
+    match src.dtype() {
+        DType::BF16 => gather_rows_t::<bf16>(src, idx),
+        DType::F16 => gather_rows_t::<half::f16>(src, idx),
+        DType::F32 => gather_rows_t::<f32>(src, idx),
+        _ => Ok(None),
+    }
+}
+
 fn gather_rows_t<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
     src: &Tensor,
     idx: GatherIndex<'_>,
-) -> Result<Tensor> {
-    let dev = cuda_dev(src, "gather_rows")?;
+) -> Result<Option<Tensor>> {
     let src_rows = src.dim(0)?;
     let width = src.elem_count() / src_rows;
+    let row_bytes = width * std::mem::size_of::<T>();
+    let sp = tensor_addr::<T>(src, "gather_rows")?;
+    let (Ok(sr), Ok(w16)) = (u32::try_from(src_rows), u32::try_from(row_bytes / 16)) else {
+        return Ok(None);
+    };
+    if !row_bytes.is_multiple_of(16) || !sp.is_multiple_of(16) {
+        return Ok(None);
+    }
+    let dev = cuda_dev(src, "gather_rows")?;
     let n = match &idx {
         GatherIndex::Host(v) => v.len(),
         GatherIndex::Device(t) => t.dims1()?,
@@ -2679,11 +2666,8 @@ fn gather_rows_t<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
     // SAFETY: the kernel writes every row of the result (a source row or zeros).
     let out = unsafe { dev.alloc::<T>((n * width).max(1)) }?;
     if n > 0 {
-        let too_big = |what: &str, v: usize| candle_core::Error::Msg(format!("gather_rows: {what} {v} exceeds u32"));
-        let rows = u32::try_from(n).map_err(|_| too_big("rows", n))?;
-        let sr = u32::try_from(src_rows).map_err(|_| too_big("source rows", src_rows))?;
-        let w16 = u32::try_from(width * std::mem::size_of::<T>() / 16).map_err(|_| too_big("row words", width))?;
-        let sp = tensor_addr::<T>(src, "gather_rows")?;
+        let rows =
+            u32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("gather_rows: {n} rows exceed u32")))?;
         let op = slice_addr(&out, &dev);
         // The uploaded host rows stay alive until the launch is queued (and in the cache after).
         let (ip, _held) = match idx {
@@ -2691,19 +2675,14 @@ fn gather_rows_t<T: candle_core::cuda_backend::CudaDType + DeviceRepr>(
                 let up = upload_u32_cached(&dev, v)?;
                 (slice_addr(&*up, &dev), Some(up))
             }
-            GatherIndex::Device(t) => {
-                if t.dtype() != DType::U32 {
-                    bail!("gather_rows: the rows must be u32, got {:?}", t.dtype());
-                }
-                (tensor_addr::<u32>(t, "gather_rows index")?, None)
-            }
+            GatherIndex::Device(t) => (tensor_addr::<u32>(t, "gather_rows index")?, None),
         };
         let f = ops_fn(&dev, "vime_gather_rows16")?;
         let threads = (w16 as usize).next_multiple_of(32).clamp(32, 256) as u32;
-        let grid = n.clamp(1, 65_535 * 8) as u32;
+        let grid = n.min(65_535 * 8) as u32;
         launch!(dev, f, cfg(grid, threads), [&op, &sp, &ip, &rows, &sr, &w16]);
     }
-    Ok(device_tensor(out, &dev, shape))
+    Ok(Some(device_tensor(out, &dev, shape)))
 }
 
 /// [`crate::decode::decode_attention`] on the device: `q: [B, H, 128]` bf16, the pools

@@ -75,8 +75,8 @@ pub fn gather_rows(src: &Tensor, index: &[u32]) -> Result<Tensor> {
         bail!("gather_rows: index {r} is row {i}, past the source's {rows} rows");
     }
     #[cfg(feature = "cuda")]
-    if crate::cuda::gather_rows_fits(src)? {
-        return crate::cuda::gather_rows(src, crate::cuda::GatherIndex::Host(index));
+    if let Some(t) = crate::cuda::gather_rows(src, crate::cuda::GatherIndex::Host(index))? {
+        return Ok(t);
     }
     src.index_select(&Tensor::from_slice(index, index.len(), src.device())?, 0)
 }
@@ -86,8 +86,8 @@ pub fn gather_rows(src: &Tensor, index: &[u32]) -> Result<Tensor> {
 /// zeros, on candle's whatever its `index_select` does.
 pub fn gather_rows_dev(src: &Tensor, index: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if index.dtype() == DType::U32 && crate::cuda::gather_rows_fits(src)? {
-        return crate::cuda::gather_rows(src, crate::cuda::GatherIndex::Device(&index.contiguous()?));
+    if let Some(t) = crate::cuda::gather_rows(src, crate::cuda::GatherIndex::Device(&index.contiguous()?))? {
+        return Ok(t);
     }
     src.index_select(index, 0)
 }

@@ -672,14 +672,14 @@ impl Qwen3 {
     }
 
     pub(crate) fn embed_tokens(&self, batch: &PackedBatch, track: bool) -> Result<Tensor> {
-        if !track {
-            return Ok(vime_kernels::rows::gather_rows(
-                &w(&self.embed, false),
-                &batch.input_ids,
-            )?);
+        if track {
+            let ids = Tensor::from_slice(&batch.input_ids, batch.num_tokens(), self.device())?;
+            return Ok(w(&self.embed, true).embedding(&ids)?);
         }
-        let ids = Tensor::from_slice(&batch.input_ids, batch.num_tokens(), self.device())?;
-        Ok(w(&self.embed, track).embedding(&ids)?)
+        Ok(vime_kernels::rows::gather_rows(
+            &w(&self.embed, false),
+            &batch.input_ids,
+        )?)
     }
 
     /// This rank's vocabulary slice.

@@ -324,8 +324,8 @@ impl DistributedAdamW {
     /// device is still busy: the gradients' checks and, for an unsharded optimizer, AdamW's
     /// (`AdamW::prepare_step`: on CUDA the fused update's table, built and uploaded). Callers run
     /// it before they wait for the gradient norm's sums of squares; that wait follows the
-    /// backward, and what the host did after it left the GPU idle (~0.3-0.45 ms of host time a
-    /// 0.6B step on an H100). The step then does not check these gradients again. Same bits.
+    /// backward, and what the host did after it left the GPU idle. The step then does not check
+    /// these gradients again. Same bits.
     pub fn prepare_step(
         &mut self,
         grads: &BTreeMap<String, Tensor>,
